@@ -1,0 +1,67 @@
+"""mok_serve.kernels: the kittens MoE kernels. Imports with torch alone (triton only on CUDA).
+
+``fused_moe`` is one torch custom op, ``torch.ops.mok_serve.fused_moe``, so that Dynamo (which
+vLLM uses to compile models) treats it as a single opaque call: on CUDA tensors it runs the
+Triton kernels, elsewhere the torch reference. Both compute the function documented in
+``reference.py``.
+"""
+
+import torch
+
+from .reference import check_fused_moe_args, fused_moe_reference
+from .routing import grouped_sigmoid_topk, softmax_topk
+
+__all__ = [
+    "check_fused_moe_args",
+    "fused_moe",
+    "fused_moe_reference",
+    "grouped_sigmoid_topk",
+    "softmax_topk",
+]
+
+
+@torch.library.custom_op("mok_serve::fused_moe", mutates_args=())
+def _fused_moe_op(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    activation: str,
+) -> torch.Tensor:
+    if hidden_states.is_cuda:
+        from .triton_moe import fused_moe_triton
+
+        return fused_moe_triton(
+            hidden_states, w13, w2, topk_weights, topk_ids, expert_map=expert_map, activation=activation
+        )
+    return fused_moe_reference(
+        hidden_states, w13, w2, topk_weights, topk_ids, expert_map=expert_map, activation=activation
+    )
+
+
+@_fused_moe_op.register_fake
+def _fused_moe_shape(hidden_states, w13, w2, topk_weights, topk_ids, expert_map, activation):
+    return torch.empty_like(hidden_states)
+
+
+def fused_moe(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    expert_map: torch.Tensor | None = None,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """Routed experts of one MoE layer: ``[T, H]`` in the input dtype.
+
+    ``hidden_states`` ``[T, H]``; ``w13`` ``[E_local, 2*I, H]`` (gate rows then up rows); ``w2``
+    ``[E_local, H, I]``; ``topk_weights`` and ``topk_ids`` ``[T, K]`` with global expert ids;
+    ``expert_map`` ``[E_global]`` global -> local, -1 for experts on other ranks. Each token's
+    top-k expert outputs are summed in fp32 in k order; bitwise deterministic and batch invariant.
+    Bad arguments raise ``ValueError`` naming the problem.
+    """
+    return torch.ops.mok_serve.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, expert_map, activation)

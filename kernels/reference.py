@@ -1,0 +1,153 @@
+"""Reference semantics of the kittens MoE layer, in plain torch, on any device.
+
+Every kittens kernel computes exactly this function (up to floating-point rounding):
+
+    out[t] = sum over k in 0..K-1, in that order, in fp32, of
+             topk_weights[t, k] * expert(local(topk_ids[t, k]), hidden_states[t])
+
+    expert(e, x) = w2[e] @ (silu(w13[e, :I] @ x) * (w13[e, I:] @ x))
+
+with vLLM's layouts: ``w13`` is ``[E_local, 2*I, H]`` (gate rows, then up rows) and ``w2`` is
+``[E_local, H, I]``. ``topk_ids`` are global expert ids; ``expert_map`` (global -> local, -1 for
+experts that live on another rank) makes an id local, and an id that maps to -1 contributes
+nothing. The activation between the GEMMs and each expert's output are rounded to the input
+dtype (as vLLM's kernels do); the top-k sum is fp32 and the result is cast back to the input dtype.
+
+The implementation here sorts (token, k) rows by local expert with a stable sort, so each expert
+sees its rows in token order, and runs both GEMMs as one ``torch._grouped_mm`` each. A row's
+result depends only on that row (GEMM K-order does not change with the number of rows), so a
+token's output is bitwise the same whatever else shares the call.
+"""
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SUPPORTED_ACTIVATIONS = ("silu",)
+
+
+def check_fused_moe_args(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    activation: str,
+    *,
+    check_values: bool = True,
+) -> None:
+    """Raise ``ValueError`` naming the first problem with the arguments of ``fused_moe``.
+
+    ``check_values`` also reads ``topk_ids`` and ``expert_map`` to check their ranges; that is a
+    device synchronisation, so kernels skip it while a CUDA graph is being captured.
+    """
+    if activation not in SUPPORTED_ACTIVATIONS:
+        raise ValueError(f"activation {activation!r} is not supported; expected one of {SUPPORTED_ACTIVATIONS}")
+    if hidden_states.dim() != 2:
+        raise ValueError(f"hidden_states must be 2-D [tokens, hidden], got shape {tuple(hidden_states.shape)}")
+    if hidden_states.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"hidden_states dtype {hidden_states.dtype} is not one of {SUPPORTED_DTYPES}")
+    tokens, hidden = hidden_states.shape
+    if w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(
+            f"w13 must be [E, 2*I, H] and w2 [E, H, I]; got w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}"
+        )
+    num_local, two_i, w13_hidden = w13.shape
+    if two_i % 2:
+        raise ValueError(f"w13 dim 1 (2*I) must be even, got {two_i}")
+    if w13_hidden != hidden:
+        raise ValueError(f"w13 hidden size {w13_hidden} != hidden_states hidden size {hidden}")
+    if tuple(w2.shape) != (num_local, hidden, two_i // 2):
+        raise ValueError(
+            f"w2 shape {tuple(w2.shape)} does not match w13 {tuple(w13.shape)}: expected "
+            f"{(num_local, hidden, two_i // 2)}"
+        )
+    if w13.dtype != hidden_states.dtype or w2.dtype != hidden_states.dtype:
+        raise ValueError(
+            f"weights must have the dtype of hidden_states ({hidden_states.dtype}); "
+            f"got w13 {w13.dtype}, w2 {w2.dtype}"
+        )
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != tokens:
+        raise ValueError(f"topk_ids must be [tokens={tokens}, top_k], got shape {tuple(topk_ids.shape)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(
+            f"topk_weights shape {tuple(topk_weights.shape)} != topk_ids shape {tuple(topk_ids.shape)}"
+        )
+    if not topk_weights.is_floating_point():
+        raise ValueError(f"topk_weights must be floating point, got {topk_weights.dtype}")
+    if expert_map is not None:
+        if expert_map.dim() != 1 or expert_map.dtype not in (torch.int32, torch.int64):
+            raise ValueError(
+                f"expert_map must be a 1-D int32/int64 tensor, got {expert_map.dtype} {tuple(expert_map.shape)}"
+            )
+    tensors = {"w13": w13, "w2": w2, "topk_weights": topk_weights, "topk_ids": topk_ids}
+    if expert_map is not None:
+        tensors["expert_map"] = expert_map
+    for name, t in tensors.items():
+        if t.device != hidden_states.device:
+            raise ValueError(f"{name} is on {t.device} but hidden_states is on {hidden_states.device}")
+    if not check_values or topk_ids.numel() == 0:
+        return
+    num_global = expert_map.numel() if expert_map is not None else num_local
+    lo, hi = int(topk_ids.min()), int(topk_ids.max())
+    if lo < 0 or hi >= num_global:
+        raise ValueError(f"topk_ids out of range: found ids in [{lo}, {hi}], valid range is [0, {num_global})")
+    if expert_map is not None and expert_map.numel():
+        lo, hi = int(expert_map.min()), int(expert_map.max())
+        if lo < -1 or hi >= num_local:
+            raise ValueError(
+                f"expert_map values must be -1 or local expert ids in [0, {num_local}); found [{lo}, {hi}]"
+            )
+
+
+def local_expert_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
+    """Local expert id of every (token, k) row, flattened; -1 where the expert lives elsewhere."""
+    ids = topk_ids.reshape(-1).long()
+    return expert_map.long()[ids] if expert_map is not None else ids
+
+
+def combine_topk(expert_out: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """Sum ``expert_out`` ``[T, K, H]`` over k in fixed k order, in fp32, weighted."""
+    weights = topk_weights.float()
+    out = torch.zeros(expert_out.shape[0], expert_out.shape[2], dtype=torch.float32, device=expert_out.device)
+    for k in range(expert_out.shape[1]):
+        out += weights[:, k : k + 1] * expert_out[:, k].float()
+    return out
+
+
+def fused_moe_reference(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    expert_map: torch.Tensor | None = None,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """The MoE layer's routed experts, ``[T, H]`` in the input dtype (see the module docstring)."""
+    check_fused_moe_args(hidden_states, w13, w2, topk_weights, topk_ids, expert_map, activation)
+    tokens, hidden = hidden_states.shape
+    num_local, two_i, _ = w13.shape
+    top_k = topk_ids.shape[1]
+    local = local_expert_ids(topk_ids, expert_map)
+    # Rows of experts that live elsewhere sort after every local expert and are dropped.
+    sort_key = torch.where(local >= 0, local, num_local)
+    order = torch.argsort(sort_key, stable=True)
+    counts = torch.bincount(sort_key, minlength=num_local + 1)
+    num_rows = int(counts[:num_local].sum())
+    rows = order[:num_rows]
+    offsets = torch.cumsum(counts[:num_local], 0).to(torch.int32)
+
+    expert_rows = torch.zeros(tokens * top_k, hidden, dtype=hidden_states.dtype, device=hidden_states.device)
+    if num_rows:
+        x = hidden_states[rows // top_k]
+        gate_up = torch._grouped_mm(x, w13.transpose(1, 2), offs=offsets)
+        gate, up = gate_up.float().chunk(2, dim=-1)
+        act = (F.silu(gate) * up).to(hidden_states.dtype)
+        expert_rows[rows] = torch._grouped_mm(act, w2.transpose(1, 2), offs=offsets)
+    out = combine_topk(expert_rows.view(tokens, top_k, hidden), topk_weights)
+    return out.to(hidden_states.dtype)
