@@ -1,0 +1,66 @@
+"""``mok-serve``: vLLM's OpenAI-compatible server with the kittens MoE backend.
+
+    mok-serve [MODEL] [any `vllm serve` option ...]
+    mok-serve build-tiny [--family F] [--list]
+
+Every `vllm serve` option passes through. Differences from `vllm serve`: ``--moe-backend``
+defaults to ``kittens``, ``--host`` to 127.0.0.1, and with no model the embedded tiny MoE model
+is built (offline, deterministic, cached) and served; ``--tiny-family`` picks another family.
+"""
+
+import sys
+
+from mok_serve import tiny_models
+
+
+def build_parser():
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(
+        prog="mok-serve",
+        usage="mok-serve [MODEL] [vllm serve options]  |  mok-serve build-tiny [--family F]",
+        description=__doc__,
+    )
+    parser = make_arg_parser(parser)
+    parser.add_argument(
+        "--tiny-family",
+        choices=sorted(tiny_models.FAMILIES),
+        default=None,
+        help=f"with no model given, serve the embedded tiny model of this family "
+        f"(default {tiny_models.DEFAULT_FAMILY})",
+    )
+    parser.set_defaults(moe_backend="kittens", host="127.0.0.1")
+    return parser
+
+
+def _model_given(argv: list[str], args) -> bool:
+    return args.model_tag is not None or any(a == "--model" or a.startswith("--model=") for a in argv)
+
+
+def serve(argv: list[str]) -> int:
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+
+    cli_env_setup()
+    args = build_parser().parse_args(argv)
+    if not _model_given(argv, args):
+        family = args.tiny_family or tiny_models.DEFAULT_FAMILY
+        args.model = str(tiny_models.build_tiny_model(family))
+    elif args.tiny_family:
+        raise SystemExit("mok-serve: --tiny-family applies only when no model is given")
+    validate_parsed_serve_args(args)
+    ServeSubcommand.cmd(args)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["build-tiny"]:
+        return tiny_models.main(argv[1:])
+    return serve(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""The ``vllm.general_plugins`` entry point: makes ``--moe-backend kittens`` a vLLM option.
+
+vLLM calls ``register()`` in every process (API server, engine core, workers) before it builds
+its CLI and configs. Without ``--moe-backend kittens`` nothing in vLLM behaves differently.
+"""
+
+import typing
+
+_registered = False
+
+
+def _add_moe_backend_choice(name: str) -> None:
+    """Widen ``KernelConfig.moe_backend``'s Literal type, which both pydantic validation and
+    the ``--moe-backend`` CLI choices are computed from."""
+    import pydantic
+    from vllm.config import kernel as kernel_config
+    from vllm.engine import arg_utils
+
+    cls = kernel_config.KernelConfig
+    choices = typing.get_args(cls.__dataclass_fields__["moe_backend"].type)
+    if name in choices:
+        return
+    widened = typing.Literal[(*choices, name)]
+    cls.__dataclass_fields__["moe_backend"].type = widened
+    cls.__annotations__["moe_backend"] = widened
+    pydantic.dataclasses.rebuild_dataclass(cls, force=True)
+    arg_utils._compute_kwargs.cache_clear()
+
+
+def _reject_quantized_models() -> None:
+    """Fail at start-up, in the API server, when kittens is asked to run a quantized model."""
+    from vllm.config.kernel import KernelConfig
+
+    from mok_serve.vllm.experts import KITTENS
+
+    stock_set_platform_defaults = KernelConfig.set_platform_defaults
+
+    def set_platform_defaults(self, vllm_config):
+        stock_set_platform_defaults(self, vllm_config)
+        model_config = vllm_config.model_config
+        if self.moe_backend == KITTENS and model_config is not None and model_config.quantization:
+            raise ValueError(
+                f"--moe-backend kittens runs unquantized MoE layers only (bfloat16, float16 or "
+                f"float32 expert weights); this model is quantized with "
+                f"'{model_config.quantization}'. Serve it without --moe-backend kittens."
+            )
+
+    KernelConfig.set_platform_defaults = set_platform_defaults
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    from mok_serve.vllm.experts import KITTENS, KittensFusedMoEMethod
+
+    _add_moe_backend_choice(KITTENS)
+    _reject_quantized_models()
+    UnquantizedFusedMoEMethod.register_oot(KittensFusedMoEMethod)
+    _registered = True

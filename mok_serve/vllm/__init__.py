@@ -1,0 +1,1 @@
+"""vLLM glue for kittens. Imported only inside vLLM processes (the plugin entry point)."""

@@ -1,0 +1,133 @@
+"""Kittens as a vLLM MoE backend: the experts class and the MoE method that selects it.
+
+vLLM keeps everything around the experts (weight creation and loading, expert maps, routing,
+prepare/finalize, the runner); ``--moe-backend kittens`` swaps the experts for ``fused_moe``.
+"""
+
+import torch
+import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+from vllm.logger import init_logger
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+from vllm.model_executor.layers.fused_moe.config import (
+    FusedMoEConfig,
+    FusedMoEParallelConfig,
+    RoutingMethodType,
+)
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceNoOP
+from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+from vllm.model_executor.layers.quantization.utils.quant_utils import QuantKey
+from vllm.platforms import current_platform
+
+from mok_serve.kernels import fused_moe
+
+KITTENS = "kittens"
+logger = init_logger(__name__)
+
+
+class KittensExperts(mk.FusedMoEExpertsModular):
+    """Routed experts through ``mok_serve.kernels.fused_moe``: GEMMs, SiLU-mul and the fp32
+    fixed-order top-k sum in one call, so the weight-and-reduce step after it is a no-op."""
+
+    @staticmethod
+    def activation_format() -> mk.FusedMoEActivationFormat:
+        return mk.FusedMoEActivationFormat.Standard
+
+    @staticmethod
+    def _supports_current_device() -> bool:
+        return current_platform.is_cpu() or current_platform.is_cuda()
+
+    @staticmethod
+    def _supports_no_act_and_mul() -> bool:
+        return False
+
+    @staticmethod
+    def _supports_activation(activation: MoEActivation) -> bool:
+        return activation == MoEActivation.SILU
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key: QuantKey | None, activation_key: QuantKey | None) -> bool:
+        return (weight_key, activation_key) == (None, None)
+
+    @staticmethod
+    def _supports_parallel_config(moe_parallel_config: FusedMoEParallelConfig) -> bool:
+        return True
+
+    @staticmethod
+    def _supports_routing_method(
+        routing_method: RoutingMethodType, weight_key: QuantKey | None, activation_key: QuantKey | None
+    ) -> bool:
+        # vLLM's router runs before the experts; they only see top-k ids and weights.
+        return True
+
+    @staticmethod
+    def _supports_router_logits_dtype(router_logits_dtype: torch.dtype | None, routing_method) -> bool:
+        return True
+
+    @staticmethod
+    def _supports_batch_invariance() -> bool:
+        return True
+
+    @staticmethod
+    def is_supported_config(cls, moe_config: FusedMoEConfig, weight_key, activation_key, activation_format):
+        if moe_config.has_bias:
+            return False, "kernel does not support expert biases"
+        return mk.FusedMoEExperts.is_supported_config(cls, moe_config, weight_key, activation_key, activation_format)
+
+    def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta, activation):
+        return (0,), (0,), (M, K)
+
+    def finalize_weight_and_reduce_impl(self) -> mk.TopKWeightAndReduce:
+        return TopKWeightAndReduceNoOP()
+
+    def apply(
+        self,
+        output: torch.Tensor,
+        hidden_states: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        activation: MoEActivation,
+        global_num_experts: int,
+        expert_map: torch.Tensor | None,
+        a1q_scale: torch.Tensor | None,
+        a2_scale: torch.Tensor | None,
+        workspace13: torch.Tensor,
+        workspace2: torch.Tensor,
+        expert_tokens_meta: mk.ExpertTokensMetadata | None,
+        apply_router_weight_on_input: bool,
+    ) -> None:
+        if apply_router_weight_on_input:
+            # prepare() already scaled the input by the (top-1) router weight.
+            topk_weights = torch.ones_like(topk_weights)
+        output.copy_(fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, expert_map=expert_map))
+
+
+class KittensFusedMoEMethod(UnquantizedFusedMoEMethod):
+    """vLLM's unquantized MoE method, with kittens experts when ``--moe-backend kittens``.
+
+    Registered out-of-tree in place of ``UnquantizedFusedMoEMethod``; any other backend value
+    runs the stock method unchanged.
+    """
+
+    def __init__(self, moe: FusedMoEConfig):
+        if moe.moe_backend != KITTENS:
+            super().__init__(moe)
+            return
+        # The stock oracle rejects backend names it does not know, so skip it.
+        FusedMoEMethodBase.__init__(self, moe)
+        supported, reason = KittensExperts.is_supported_config(
+            KittensExperts, moe, None, None, mk.FusedMoEActivationFormat.Standard
+        )
+        if not supported:
+            raise ValueError(f"--moe-backend kittens cannot run this MoE layer: {reason}")
+        # TRITON's weight handling is what kittens needs: vLLM's layout, contiguous, no padding.
+        self.unquantized_backend = UnquantizedMoeBackend.TRITON
+        self.experts_cls = KittensExperts
+        self.supports_pre_processed_weights = True
+        logger.info_once(
+            "kittens: unquantized MoE layers run mok-serve's kittens experts (%s)",
+            "Triton kernels" if current_platform.is_cuda() else "torch reference",
+        )
