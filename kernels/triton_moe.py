@@ -1,0 +1,418 @@
+"""Triton fused MoE for one GPU: schedule, grouped GEMM1 (+SiLU*up), grouped GEMM2, top-k combine.
+
+Computes exactly the function of ``reference.py`` (same rounding points: gate/up and the activation
+rounded to the input dtype, each expert output rounded to the input dtype, the top-k sum in fp32 in
+k order) in four launches and with no host synchronisation:
+
+1. ``_moe_schedule_kernel`` -- one program per local expert ``e``. It scans all ``T*K`` (token, k)
+   rows twice: first it counts the rows whose local id is ``< e`` (its segment start) and ``== e``
+   (its count); then it writes the row indices of expert ``e`` into ``sorted_rows[start + rank]``,
+   the rank coming from a prefix sum (``tl.cumsum``) over the rows in order. Positions are
+   therefore decided by prefix sums only (no atomics), each expert's rows are in token order, and
+   no program depends on another one, so no grid-wide synchronisation is needed. Redundant reads
+   (every program scans every id) hit L2: ``E * T * K * 4`` bytes, ~100 MB at 8192 tokens, a few
+   microseconds.
+2. ``_moe_gemm1_kernel`` -- grouped GEMM over ``w13``: a program is one (row tile, column tile).
+   Row tiles are numbered expert by expert; each program maps its tile id to (expert, first row)
+   from the per-expert counts (a cumsum over at most 512 experts, in registers). The grid is the
+   worst case (``T*K // BM + min(E, T*K)`` row tiles) and surplus programs exit at once. The A rows
+   are gathered from ``hidden_states`` by token index inside the K loop (no permuted copy). The
+   epilogue computes ``silu(gate) * up`` in fp32 and writes the activation in expert order.
+3. ``_moe_gemm2_kernel`` -- grouped GEMM over ``w2`` reading the activation rows in expert order
+   and scattering each output row to its (token, k) slot of ``y`` (``[T*K, H]``), so the combine
+   reads a token's k rows contiguously.
+4. ``_moe_combine_kernel`` -- ``out[t] = sum_k w[t,k] * y[t,k]`` in fp32, k in order; rows whose
+   expert is not local (or whose id is out of range) are not read and contribute zero.
+
+Batch invariance: every output element of a GEMM accumulates its K dimension in the same order
+(``BLOCK_K`` chunks, in increasing k, chained on one fp32 accumulator, no split-K) whatever the
+number of rows; the block sizes are chosen from static shape information. ``BLOCK_M >= 64`` always,
+so Hopper always runs the same matrix instruction (wgmma) whatever the regime; the GPU tests check
+bitwise that a token alone equals the same token inside batches of 7, 128 and 4096.
+
+Out-of-range ids (``< 0`` or ``>= E_global``) and expert_map values outside ``[0, E_local)`` are
+treated as "not local" by every kernel (masked, never dereferenced); eagerly the launcher raises
+through ``check_fused_moe_args`` first (skipped while a CUDA graph is being captured, since reading
+the values is a synchronisation).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import check_fused_moe_args
+
+__all__ = ["fused_moe_triton", "pick_configs"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _cast(x, ty: tl.constexpr, RNE_FIX: tl.constexpr):
+    """``x.to(ty)``. Under the interpreter (``RNE_FIX``) fp32 -> bf16 truncates instead of
+    rounding to nearest even, so round the fp32 bits first; compiled code casts directly."""
+    if RNE_FIX:
+        if ty == tl.bfloat16:
+            bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+    return x.to(ty)
+
+
+@triton.jit
+def _local_expert_ids(
+    topk_ids_ptr, expert_map_ptr, rows, row_ok, num_global, num_local, stride_it, stride_ik,
+    TOPK: tl.constexpr, HAS_MAP: tl.constexpr,
+):
+    """Local expert id of each (token, k) row in ``rows``; -1 for non-local or invalid rows.
+
+    Range checks happen in the ids' own dtype (int64 ids are not truncated before the check), and a
+    masked load never dereferences an invalid address.
+    """
+    tok = rows // TOPK
+    kk = rows % TOPK
+    gid = tl.load(topk_ids_ptr + tok * stride_it + kk * stride_ik, mask=row_ok, other=-1)
+    ok = row_ok & (gid >= 0) & (gid < num_global)
+    if HAS_MAP:
+        lid = tl.load(expert_map_ptr + tl.where(ok, gid, 0), mask=ok, other=-1)
+        ok = ok & (lid >= 0) & (lid < num_local)
+    else:
+        lid = gid
+        ok = ok & (lid < num_local)
+    return tl.where(ok, lid, -1).to(tl.int32)
+
+
+@triton.jit
+def _moe_schedule_kernel(
+    topk_ids_ptr, expert_map_ptr, counts_ptr, sorted_rows_ptr,
+    num_rows, num_global, num_local, stride_it, stride_ik,
+    TOPK: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK: tl.constexpr,
+):
+    e = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    below = tl.zeros([BLOCK], dtype=tl.int32)
+    mine = tl.zeros([BLOCK], dtype=tl.int32)
+    # Pass 1: segment start (rows of experts < e) and count of expert e.
+    for start in range(0, num_rows, BLOCK):
+        rows = start + offs
+        lid = _local_expert_ids(topk_ids_ptr, expert_map_ptr, rows, rows < num_rows, num_global,
+                                num_local, stride_it, stride_ik, TOPK, HAS_MAP)
+        below += ((lid >= 0) & (lid < e)).to(tl.int32)
+        mine += (lid == e).to(tl.int32)
+    seg_start = tl.sum(below, axis=0)
+    tl.store(counts_ptr + e, tl.sum(mine, axis=0))
+    # Pass 2: rows of expert e, in row (= token) order, at seg_start + prefix-sum rank.
+    base = seg_start
+    for start in range(0, num_rows, BLOCK):
+        rows = start + offs
+        lid = _local_expert_ids(topk_ids_ptr, expert_map_ptr, rows, rows < num_rows, num_global,
+                                num_local, stride_it, stride_ik, TOPK, HAS_MAP)
+        hit = (lid == e).to(tl.int32)
+        rank = tl.cumsum(hit, axis=0) - 1
+        tl.store(sorted_rows_ptr + base + rank, rows, mask=hit != 0)
+        base += tl.sum(hit, axis=0)
+
+
+@triton.jit
+def _tile_of(pid_m, counts_ptr, num_local, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Map a row-tile id to (tiles in use, expert, first row inside the expert, rows of the
+    expert, expert's first position in the sorted order). Pure function of the counts."""
+    eo = tl.arange(0, E_PAD)
+    cnt = tl.load(counts_ptr + eo, mask=eo < num_local, other=0)
+    tiles = (cnt + BLOCK_M - 1) // BLOCK_M
+    cum = tl.cumsum(tiles, axis=0)
+    total = tl.sum(tiles, axis=0)
+    e = tl.sum((cum <= pid_m).to(tl.int32), axis=0)
+    sel = eo == e
+    tile0 = tl.sum(tl.where(sel, cum - tiles, 0), axis=0)
+    count_e = tl.sum(tl.where(sel, cnt, 0), axis=0)
+    start_e = tl.sum(tl.where(eo < e, cnt, 0), axis=0)
+    return total, e, (pid_m - tile0) * BLOCK_M, count_e, start_e
+
+
+@triton.jit
+def _moe_gemm1_kernel(
+    x_ptr, w_ptr, act_ptr, sorted_rows_ptr, counts_ptr,
+    num_local, H, I,
+    stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
+    TOPK: tl.constexpr, E_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(I, BLOCK_N)
+    # Column tiles vary fastest: the programs in flight share their A rows (one row tile) and the
+    # row tiles of one expert sit next to each other, so each weight tile is read from HBM once.
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    total, e, m0, count_e, start_e = _tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M)
+    if pid_m < total:
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < count_e
+        rows = tl.load(sorted_rows_ptr + start_e + offs_m, mask=row_ok, other=0)
+        tok = (rows // TOPK).to(tl.int64)
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < I
+        a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
+        # B tiles are [BLOCK_K, BLOCK_N] views of w13[e] ([2I, H], K = H contiguous).
+        wg_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        wu_ptrs = wg_ptrs + I * stride_wn
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                if EVEN_N:
+                    bg = tl.load(wg_ptrs)
+                    bu = tl.load(wu_ptrs)
+                else:
+                    bg = tl.load(wg_ptrs, mask=n_ok[None, :], other=0.0)
+                    bu = tl.load(wu_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                k_ok = offs_k < H - k0
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                bg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                bu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if DOT_F32:
+                # The Triton interpreter (CPU tests) mis-multiplies bf16 dots: upcast there.
+                a = a.to(tl.float32)
+                bg = bg.to(tl.float32)
+                bu = bu.to(tl.float32)
+            if DOT_IEEE:
+                acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
+                acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
+            else:
+                acc_g = tl.dot(a, bg, acc_g)
+                acc_u = tl.dot(a, bu, acc_u)
+            a_ptrs += BLOCK_K * stride_xh
+            wg_ptrs += BLOCK_K * stride_wk
+            wu_ptrs += BLOCK_K * stride_wk
+        # Same rounding points as the reference: gate/up in the input dtype, SiLU*up in fp32.
+        out_ty = act_ptr.dtype.element_ty
+        gate = _cast(acc_g, out_ty, DOT_F32).to(tl.float32)
+        up = _cast(acc_u, out_ty, DOT_F32).to(tl.float32)
+        h = gate / (1.0 + tl.exp(-gate)) * up
+        act_ptrs = act_ptr + (start_e + offs_m)[:, None].to(tl.int64) * I + offs_n[None, :]
+        tl.store(act_ptrs, _cast(h, out_ty, DOT_F32), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _moe_gemm2_kernel(
+    act_ptr, w_ptr, y_ptr, sorted_rows_ptr, counts_ptr,
+    num_local, H, I,
+    stride_we, stride_wn, stride_wk,
+    E_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(H, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    total, e, m0, count_e, start_e = _tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M)
+    if pid_m < total:
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < count_e
+        rows = tl.load(sorted_rows_ptr + start_e + offs_m, mask=row_ok, other=0)
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < H
+        a_ptrs = act_ptr + (start_e + offs_m)[:, None].to(tl.int64) * I + offs_k[None, :]
+        w_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                if EVEN_N:
+                    b = tl.load(w_ptrs)
+                else:
+                    b = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                k_ok = offs_k < I - k0
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if DOT_F32:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            if DOT_IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_wk
+        # Scatter each row to its (token, k) slot: y is [T*K, H] in row order.
+        y_ptrs = y_ptr + rows[:, None].to(tl.int64) * H + offs_n[None, :]
+        tl.store(y_ptrs, _cast(acc, y_ptr.dtype.element_ty, DOT_F32), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _moe_combine_kernel(
+    y_ptr, out_ptr, topk_ids_ptr, topk_w_ptr, expert_map_ptr,
+    H, num_global, num_local,
+    stride_it, stride_ik, stride_wt, stride_wk, stride_ot,
+    TOPK: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_H: tl.constexpr, RNE_FIX: tl.constexpr,
+):
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for k in tl.static_range(TOPK):
+        gid = tl.load(topk_ids_ptr + t * stride_it + k * stride_ik)
+        ok = (gid >= 0) & (gid < num_global)
+        if HAS_MAP:
+            lid = tl.load(expert_map_ptr + tl.where(ok, gid, 0), mask=ok, other=-1)
+            ok = ok & (lid >= 0) & (lid < num_local)
+        else:
+            ok = ok & (gid < num_local)
+        w = tl.load(topk_w_ptr + t * stride_wt + k * stride_wk).to(tl.float32)
+        # (broadcast the scalar flag through an int32 vector: the interpreter rejects a scalar
+        # bool broadcast into a mask)
+        y_ok = h_ok & ((tl.zeros([BLOCK_H], dtype=tl.int32) + ok.to(tl.int32)) != 0)
+        y = tl.load(y_ptr + (t * TOPK + k).to(tl.int64) * H + offs, mask=y_ok, other=0.0)
+        # Separate multiply and add, as the reference's `out += w * y` rounds the product first.
+        prod = w * y.to(tl.float32)
+        acc = acc + prod
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, _cast(acc, out_ptr.dtype.element_ty, RNE_FIX), mask=h_ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# Configuration: a function of static shapes only (tokens, top_k, experts, hidden, intermediate).
+# ----------------------------------------------------------------------------------------------
+
+# BLOCK_K is the same for every regime of a shape (it only depends on H and I), so every row's
+# K-reduction order is identical whatever the batch. BLOCK_M >= 64 keeps Hopper on wgmma.
+_BLOCK_K = 64
+
+
+def _kdim_block(k_dim: int) -> int:
+    return min(_BLOCK_K, max(16, triton.next_power_of_2(k_dim)))
+
+
+def pick_configs(tokens: int, top_k: int, num_local: int, hidden: int, inter: int) -> tuple[dict, dict]:
+    """(GEMM1 config, GEMM2 config) for a call; depends on shapes only, never on device values.
+
+    Regimes by the average rows per expert (``tokens * top_k / experts``, a static quantity):
+    few rows -> weight streaming (64-row tiles, narrow column tiles so that >= 2 programs per SM
+    read weights at decode sizes); many rows -> compute (128-row tiles, wide columns).
+    """
+    rows = tokens * top_k
+    avg = rows / max(num_local, 1)
+    bk1, bk2 = _kdim_block(hidden), _kdim_block(inter)
+    if avg <= 48:
+        # Weight streaming: fill 132 SMs at decode sizes with narrow column tiles.
+        busy = max(1, min(rows, num_local))
+        bn1 = 64
+        while bn1 > 16 and busy * triton.cdiv(inter, bn1) < 264:
+            bn1 //= 2
+        bn2 = 128
+        while bn2 > 32 and busy * triton.cdiv(hidden, bn2) < 264:
+            bn2 //= 2
+        g1 = dict(BLOCK_M=64, BLOCK_N=bn1, BLOCK_K=bk1, num_warps=4, num_stages=5)
+        g2 = dict(BLOCK_M=64, BLOCK_N=bn2, BLOCK_K=bk2, num_warps=4, num_stages=5)
+    elif avg <= 160:
+        g1 = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=bk1, num_warps=8, num_stages=4)
+        g2 = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=bk2, num_warps=4, num_stages=4)
+    else:
+        g1 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=bk1, num_warps=8, num_stages=3)
+        g2 = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=bk2, num_warps=8, num_stages=3)
+    return g1, g2
+
+
+def _max_row_tiles(rows: int, num_local: int, block_m: int) -> int:
+    # sum_e ceil(c_e / BM) <= floor(sum_e c_e / BM) + (number of non-empty experts).
+    return rows // block_m + min(num_local, rows)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------------------------
+
+
+def fused_moe_triton(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    expert_map: torch.Tensor | None = None,
+    activation: str = "silu",
+    _configs: tuple[dict, dict] | None = None,
+) -> torch.Tensor:
+    """The routed experts of one MoE layer (see ``reference.py``) in four Triton launches.
+
+    No host synchronisation, except the eager range check of ``topk_ids`` / ``expert_map`` by
+    ``check_fused_moe_args`` (skipped while a CUDA graph is being captured). ``_configs``
+    overrides the block sizes (benchmark sweeps only).
+    """
+    capturing = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
+    check_fused_moe_args(
+        hidden_states, w13, w2, topk_weights, topk_ids, expert_map, activation, check_values=not capturing
+    )
+    tokens, hidden = hidden_states.shape
+    num_local, two_i, _ = w13.shape
+    inter = two_i // 2
+    top_k = topk_ids.shape[1]
+    dev = hidden_states.device
+    out = torch.empty((tokens, hidden), dtype=hidden_states.dtype, device=dev)
+    if tokens == 0:
+        return out
+    if top_k == 0 or num_local == 0 or inter == 0:
+        return out.zero_()
+    rows = tokens * top_k
+    num_global = expert_map.numel() if expert_map is not None else num_local
+    has_map = expert_map is not None
+    emap = expert_map if has_map else topk_ids  # dummy pointer when there is no map
+    e_pad = max(16, triton.next_power_of_2(num_local))
+    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    dot_ieee = hidden_states.dtype == torch.float32 or interpret
+
+    counts = torch.empty(num_local, dtype=torch.int32, device=dev)
+    sorted_rows = torch.empty(rows, dtype=torch.int32, device=dev)
+    act = torch.empty((rows, inter), dtype=hidden_states.dtype, device=dev)
+    y = torch.empty((rows, hidden), dtype=hidden_states.dtype, device=dev)
+
+    _moe_schedule_kernel[(num_local,)](
+        topk_ids, emap, counts, sorted_rows,
+        rows, num_global, num_local, topk_ids.stride(0), topk_ids.stride(1),
+        TOPK=top_k, HAS_MAP=has_map, BLOCK=1024 if rows > 256 else 256, num_warps=4,
+    )
+
+    g1, g2 = _configs if _configs is not None else pick_configs(tokens, top_k, num_local, hidden, inter)
+    g1, g2 = dict(g1), dict(g2)
+    bm1, bn1 = g1["BLOCK_M"], g1["BLOCK_N"]
+    grid1 = (_max_row_tiles(rows, num_local, bm1) * triton.cdiv(inter, bn1),)
+    _moe_gemm1_kernel[grid1](
+        hidden_states, w13, act, sorted_rows, counts,
+        num_local, hidden, inter,
+        hidden_states.stride(0), hidden_states.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
+        TOPK=top_k, E_PAD=e_pad,
+        EVEN_K=hidden % g1["BLOCK_K"] == 0, EVEN_N=inter % bn1 == 0, DOT_IEEE=dot_ieee, DOT_F32=interpret,
+        **g1,
+    )
+    bm2, bn2 = g2["BLOCK_M"], g2["BLOCK_N"]
+    grid2 = (_max_row_tiles(rows, num_local, bm2) * triton.cdiv(hidden, bn2),)
+    _moe_gemm2_kernel[grid2](
+        act, w2, y, sorted_rows, counts,
+        num_local, hidden, inter,
+        w2.stride(0), w2.stride(1), w2.stride(2),
+        E_PAD=e_pad,
+        EVEN_K=inter % g2["BLOCK_K"] == 0, EVEN_N=hidden % bn2 == 0, DOT_IEEE=dot_ieee, DOT_F32=interpret,
+        **g2,
+    )
+    block_h = min(1024, max(16, triton.next_power_of_2(hidden)))
+    _moe_combine_kernel[(tokens, triton.cdiv(hidden, block_h))](
+        y, out, topk_ids, topk_weights, emap,
+        hidden, num_global, num_local,
+        topk_ids.stride(0), topk_ids.stride(1), topk_weights.stride(0), topk_weights.stride(1), out.stride(0),
+        TOPK=top_k, HAS_MAP=has_map, BLOCK_H=block_h, RNE_FIX=interpret, num_warps=4,
+    )
+    return out
