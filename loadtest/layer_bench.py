@@ -1,0 +1,430 @@
+"""One-GPU MoE layer benchmark: kittens (Triton fused MoE) against two baselines and the floor.
+
+For every model shape of ``configs/model_shapes.json``, token count and routing (uniform, or
+skewed: half of all (token, k) assignments to expert 0, duplicates within a token allowed), it
+checks each implementation against ``fused_moe_reference`` and then times, in the same run:
+
+- kittens: ``mok_serve.kernels.fused_moe`` (4 Triton launches, no host sync);
+- torch: argsort, gather, ``torch._grouped_mm``, SiLU-mul, ``torch._grouped_mm``, weighted
+  scatter-add (``index_add_`` in fp32);
+- transformers: the experts module of transformers' Qwen3-MoE with its ``grouped_mm`` experts
+  implementation selected, holding the same weight tensors.
+
+Timing: each implementation is captured in a CUDA graph and the graph's replay is timed with
+``triton.testing.do_bench`` (median; do_bench clears the L2 cache before every replay, so weights
+are read from HBM as in a real model whose layers do not fit in L2). Floor = max(FLOPs / 790e12,
+bytes / 4.4e12) with bytes = weights of the experts actually touched + activations in and out.
+
+``main(argv)`` is the entry point (``mok-loadtest layer``); ``--sweep`` times block-size variants
+of kittens at a few points instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.resources
+import json
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+PEAK_FLOPS = 790e12
+PEAK_BYTES = 4.4e12
+TOKENS = (1, 8, 32, 128, 512, 2048, 8192)
+ROUTINGS = ("uniform", "skewed")
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def load_shapes() -> dict:
+    text = importlib.resources.files("mok_serve.configs").joinpath("model_shapes.json").read_text()
+    return {k: v for k, v in json.loads(text).items() if not k.startswith("_")}
+
+
+# ---------------------------------------------------------------------------------- inputs
+
+
+def make_routing(tokens, experts, top_k, routing, gen, device="cuda"):
+    ids = torch.rand(tokens, experts, device=device, generator=gen).argsort(dim=1)[:, :top_k]
+    if routing == "skewed":
+        flat = ids.reshape(-1)
+        pick = torch.randperm(flat.numel(), device=device, generator=gen)[: flat.numel() // 2]
+        flat[pick] = 0
+    w = torch.rand(tokens, top_k, device=device, generator=gen)
+    return (w / w.sum(-1, keepdim=True)), ids.to(torch.int32)
+
+
+def floor_of(tokens, hidden, inter, top_k, ids, dtype_bytes=2):
+    rows = tokens * top_k
+    flops = 6.0 * rows * hidden * inter
+    touched = int(torch.unique(ids).numel())
+    weight_bytes = touched * 3 * hidden * inter * dtype_bytes
+    act_bytes = 2 * tokens * hidden * dtype_bytes + ids.numel() * 8
+    nbytes = weight_bytes + act_bytes
+    t_flop, t_byte = flops / PEAK_FLOPS, nbytes / PEAK_BYTES
+    return dict(flops=flops, bytes=nbytes, touched=touched, floor_ms=max(t_flop, t_byte) * 1e3,
+                bound="weights" if t_byte >= t_flop else "compute")
+
+
+# ---------------------------------------------------------------------------------- baselines
+
+
+def torch_pipeline(x, w13, w2, tw, ids):
+    """argsort, gather, grouped_mm, SiLU-mul, grouped_mm, weighted scatter-add (no host sync)."""
+    tokens, top_k = ids.shape
+    num_experts = w13.shape[0]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat)
+    # histc, not bincount: bincount sizes its output from the data (a host sync, not capturable).
+    hist_in = flat.int() if flat.is_cuda else flat.float()
+    counts = torch.histc(hist_in, bins=num_experts, min=0, max=num_experts - 1)
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    tok = order // top_k
+    gu = torch._grouped_mm(x[tok], w13.transpose(1, 2), offs=offs)
+    gate, up = gu.chunk(2, dim=-1)
+    act = F.silu(gate) * up
+    y = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)
+    y = y.float() * tw.reshape(-1)[order].float().unsqueeze(1)
+    out = torch.zeros(tokens, x.shape[1], device=x.device, dtype=torch.float32)
+    out.index_add_(0, tok, y)
+    return out.to(x.dtype)
+
+
+def transformers_experts(w13, w2):
+    """transformers' Qwen3-MoE experts module with the grouped_mm implementation, on our weights."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    E, two_i, H = w13.shape
+    cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=two_i // 2, num_experts=E, hidden_act="silu")
+    cfg._experts_implementation = "grouped_mm"
+    with torch.device("meta"):
+        mod = Qwen3MoeExperts(cfg)
+    mod.gate_up_proj = torch.nn.Parameter(w13, requires_grad=False)
+    mod.down_proj = torch.nn.Parameter(w2, requires_grad=False)
+    return mod.eval()
+
+
+# ---------------------------------------------------------------------------------- timing
+
+
+def graph_time(fn, warmup_ms=10, rep_ms=60):
+    """Capture ``fn`` in a CUDA graph and time replays (median ms, L2 flushed); eager if capture fails."""
+    import triton.testing
+
+    fn()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        ms = triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+        del graph
+        return ms, "graph"
+    except Exception as exc:  # noqa: BLE001 - report and fall back to eager timing
+        print(f"  capture failed ({type(exc).__name__}: {exc}); timing eagerly", flush=True)
+        torch.cuda.synchronize()
+        return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"), "eager"
+
+
+def read_bandwidth():
+    """HBM read rate of a plain reduction over 4 GiB (TB/s), for the record."""
+    import triton.testing
+
+    buf = torch.ones(2**31, device="cuda", dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: buf.sum(dtype=torch.float32), warmup=10, rep=100, return_mode="median")
+    del buf
+    torch.cuda.empty_cache()
+    return buf_bytes(2**31, 2) / (ms * 1e-3) / 1e12
+
+
+def buf_bytes(n, size):
+    return n * size
+
+
+def rel_err(out, ref):
+    if torch.isnan(out).any():
+        return float("nan")
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+# ---------------------------------------------------------------------------------- runs
+
+
+def bench_rows(shapes, tokens_list, routings, seed, log, on_row=None):
+    from mok_serve.kernels import fused_moe, fused_moe_reference
+
+    rows = []
+    for name, s in shapes.items():
+        E, H, I, K = s["routed_experts"], s["hidden"], s["moe_intermediate"], s["top_k"]
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen) / H**0.5
+        w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=gen) / I**0.5
+        hf = transformers_experts(w13, w2)
+        for tokens in tokens_list:
+            for routing in routings:
+                x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+                tw, ids = make_routing(tokens, E, K, routing, gen)
+                fl = floor_of(tokens, H, I, K, ids)
+                impls = {
+                    "kittens": lambda: fused_moe(x, w13, w2, tw, ids),
+                    "torch": lambda: torch_pipeline(x, w13, w2, tw, ids),
+                    "transformers": lambda: hf(x, ids, tw),
+                }
+                with torch.no_grad():
+                    ref = fused_moe_reference(x, w13, w2, tw, ids)
+                    errs = {k: rel_err(f(), ref) for k, f in impls.items()}
+                    times, modes = {}, {}
+                    for k, f in impls.items():
+                        times[k], modes[k] = graph_time(f)
+                torch.cuda.empty_cache()
+                best_base = min(times["torch"], times["transformers"])
+                row = dict(
+                    shape=name, tokens=tokens, routing=routing, experts=E, hidden=H, inter=I, top_k=K,
+                    kittens_ms=times["kittens"], torch_ms=times["torch"], transformers_ms=times["transformers"],
+                    timing={k: modes[k] for k in modes}, rel_err=errs, **fl,
+                )
+                row["ratio_to_floor"] = row["kittens_ms"] / fl["floor_ms"]
+                row["speedup_vs_torch"] = times["torch"] / times["kittens"]
+                row["speedup_vs_transformers"] = times["transformers"] / times["kittens"]
+                row["speedup_vs_best_baseline"] = best_base / times["kittens"]
+                row.update(judge(row))
+                rows.append(row)
+                if on_row is not None:
+                    on_row(rows)
+                log(f"{name:16s} T={tokens:5d} {routing:7s} kittens {times['kittens']:8.3f} ms  floor "
+                    f"{fl['floor_ms']:7.3f} ({fl['bound']:7s}) x{row['ratio_to_floor']:5.2f}  torch "
+                    f"{times['torch']:8.3f}  hf {times['transformers']:8.3f}  best/k x{row['speedup_vs_best_baseline']:5.2f}"
+                    f"  err k={errs['kittens']:.1e} t={errs['torch']:.1e} hf={errs['transformers']:.1e}"
+                    f"  {'OK' if row['target_met'] else 'MISS: ' + row['target']}")
+        del w13, w2, hf
+        torch.cuda.empty_cache()
+    return rows
+
+
+def judge(row):
+    notes = []
+    ok = row["rel_err"]["kittens"] <= 1e-2
+    if not ok:
+        notes.append("correctness")
+    if row["tokens"] >= 128:
+        limit = 1.1 if row["bound"] == "weights" else 1.25
+        target = f"<= {limit}x floor ({row['bound']})"
+        if row["ratio_to_floor"] > limit:
+            ok = False
+    else:
+        target = ">= 2x best baseline"
+        if row["speedup_vs_best_baseline"] < 2.0:
+            ok = False
+    if row["speedup_vs_best_baseline"] < 1.0:
+        ok = False
+        notes.append("slower than a baseline")
+    return dict(target=target + (" [" + ", ".join(notes) + "]" if notes else ""), target_met=ok)
+
+
+SWEEP_POINTS = [
+    ("DeepSeek-V3", 1), ("DeepSeek-V3", 128), ("DeepSeek-V3", 2048), ("DeepSeek-V3", 8192),
+    ("Qwen3-30B-A3B", 1), ("Qwen3-30B-A3B", 512), ("Qwen3-30B-A3B", 8192),
+]
+
+
+def _cfg(bm, bn, warps, stages, bk):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+
+
+def sweep_variants(tokens, top_k, E, H, I):
+    from mok_serve.kernels.triton_moe import pick_configs
+
+    d1, d2 = pick_configs(tokens, top_k, E, H, I)
+    avg = tokens * top_k / E
+    if avg <= 48:
+        v1 = [(64, 16, 4, 5), (64, 32, 4, 5), (64, 64, 4, 5), (64, 128, 4, 4), (64, d1["BLOCK_N"], 4, 3)]
+        v2 = [(64, 32, 4, 5), (64, 64, 4, 5), (64, 128, 4, 5), (64, 256, 8, 4), (64, d2["BLOCK_N"], 4, 3)]
+    elif avg <= 160:
+        v1 = [(64, 64, 4, 4), (64, 128, 8, 4), (64, 128, 4, 4), (128, 64, 8, 4), (128, 128, 8, 3)]
+        v2 = [(64, 128, 4, 4), (64, 256, 8, 4), (128, 128, 8, 4), (128, 256, 8, 3), (64, 128, 4, 3)]
+    else:
+        v1 = [(128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 8, 4), (128, 64, 4, 4), (64, 128, 4, 3)]
+        v2 = [(128, 256, 8, 3), (128, 256, 8, 4), (128, 128, 8, 4), (128, 128, 4, 4), (64, 256, 8, 3)]
+    out = [("default", d1, d2)]
+    out += [(f"g1={v}", _cfg(*v, d1["BLOCK_K"]), d2) for v in v1]
+    out += [(f"g2={v}", d1, _cfg(*v, d2["BLOCK_K"])) for v in v2]
+    return out
+
+
+def sweep(shapes, points, seed, log):
+    from mok_serve.kernels.reference import fused_moe_reference
+    from mok_serve.kernels.triton_moe import fused_moe_triton
+
+    results = []
+    by_shape: dict[str, list[int]] = {}
+    for name, t in points:
+        by_shape.setdefault(name, []).append(t)
+    for name, toks in by_shape.items():
+        s = shapes[name]
+        E, H, I, K = s["routed_experts"], s["hidden"], s["moe_intermediate"], s["top_k"]
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen) / H**0.5
+        w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=gen) / I**0.5
+        for tokens in toks:
+            x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+            tw, ids = make_routing(tokens, E, K, "uniform", gen)
+            fl = floor_of(tokens, H, I, K, ids)
+            ref = fused_moe_reference(x, w13, w2, tw, ids)
+            for label, g1, g2 in sweep_variants(tokens, K, E, H, I):
+                try:
+                    fn = lambda: fused_moe_triton(x, w13, w2, tw, ids, _configs=(g1, g2))  # noqa: E731
+                    err = rel_err(fn(), ref)
+                    ms, _ = graph_time(fn, rep_ms=40)
+                except Exception as exc:  # noqa: BLE001
+                    log(f"  {name} T={tokens} {label}: failed {type(exc).__name__}: {str(exc)[:200]}")
+                    continue
+                results.append(dict(shape=name, tokens=tokens, label=label, g1=g1, g2=g2, ms=ms,
+                                    floor_ms=fl["floor_ms"], err=err))
+                log(f"SWEEP {name:14s} T={tokens:5d} {label:28s} {ms:8.3f} ms x{ms / fl['floor_ms']:5.2f} err {err:.1e}")
+        del w13, w2
+        torch.cuda.empty_cache()
+    return results
+
+
+# ---------------------------------------------------------------------------------- reports
+
+
+def write_markdown(meta, rows, path):
+    lines = [
+        f"# MoE layer benchmark, one {meta['gpu']}",
+        "",
+        f"commit `{meta['commit']}`, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}, "
+        f"transformers {meta['transformers']}. Timing: {meta['timing']}. Measured HBM read rate "
+        f"(torch sum over 4 GiB): {meta['read_tb_s']:.2f} TB/s; floor uses {PEAK_BYTES / 1e12} TB/s and "
+        f"{PEAK_FLOPS / 1e12:.0f} TFLOP/s. Skewed routing: half of all (token, k) assignments go to "
+        "expert 0 (duplicates within a token allowed).",
+        "",
+        "| shape | tokens | routing | kittens ms | floor ms | bound | x floor | torch ms | transformers ms | "
+        "vs torch | vs transformers | target | met |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['shape']} | {r['tokens']} | {r['routing']} | {r['kittens_ms']:.3f} | {r['floor_ms']:.3f} | "
+            f"{r['bound']} | {r['ratio_to_floor']:.2f} | {r['torch_ms']:.3f} | {r['transformers_ms']:.3f} | "
+            f"{r['speedup_vs_torch']:.2f}x | {r['speedup_vs_transformers']:.2f}x | {r['target']} | "
+            f"{'yes' if r['target_met'] else '**no**'} |"
+        )
+    met = sum(r["target_met"] for r in rows)
+    lines += ["", f"Targets met: {met} / {len(rows)} rows."]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def write_plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(4.2 * len(shapes), 4), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        for routing, style in (("uniform", "-"), ("skewed", "--")):
+            rs = [r for r in rows if r["shape"] == shape and r["routing"] == routing]
+            if not rs:
+                continue
+            t = [r["tokens"] for r in rs]
+            for key, color in (("kittens_ms", "C0"), ("torch_ms", "C1"), ("transformers_ms", "C2"), ("floor_ms", "k")):
+                ax.plot(t, [r[key] for r in rs], style, color=color, marker="o", ms=3,
+                        label=f"{key[:-3]} {routing}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(shape)
+        ax.set_xlabel("tokens")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("ms (median, CUDA graph replay)")
+    axes[0][-1].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def git_commit() -> str:
+    env = os.environ.get("MOK_COMMIT")
+    if env:
+        return env
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=pathlib.Path(__file__).parent, text=True).strip()
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="mok-loadtest layer", description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default="all", help="comma-separated shape names from configs/model_shapes.json")
+    p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    p.add_argument("--routing", default=",".join(ROUTINGS))
+    p.add_argument("--out", default=str(RESULTS), help="folder for layer_bench.{json,md,png}")
+    p.add_argument("--name", default="layer_bench", help="file name stem of the results")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--sweep", action="store_true", help="time block-size variants of kittens instead")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("layer benchmark needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import triton
+    import transformers
+
+    shapes = load_shapes()
+    if args.shapes != "all":
+        shapes = {k: shapes[k] for k in args.shapes.split(",")}
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log_file = open(out / f"{args.name}.log", "a")
+
+    def log(msg):
+        print(msg, flush=True)
+        log_file.write(msg + "\n")
+        log_file.flush()
+
+    meta = dict(
+        gpu=torch.cuda.get_device_name(), commit=git_commit(), date=datetime.datetime.now(datetime.UTC).isoformat(),
+        torch=torch.__version__, triton=triton.__version__, transformers=transformers.__version__,
+        python=platform.python_version(), sms=torch.cuda.get_device_properties(0).multi_processor_count,
+        timing="CUDA graph of each implementation, replay timed by triton.testing.do_bench (median, L2 flushed "
+        "before each replay)",
+        peak_flops=PEAK_FLOPS, peak_bytes=PEAK_BYTES,
+    )
+    t0 = time.time()
+    if args.sweep:
+        res = sweep(shapes, [pt for pt in SWEEP_POINTS if pt[0] in shapes], args.seed, log)
+        (out / f"{args.name}_sweep.json").write_text(json.dumps(dict(meta=meta, results=res), indent=1))
+        log(f"sweep done in {time.time() - t0:.0f} s")
+        return 0
+    meta["read_tb_s"] = read_bandwidth()
+    log(f"GPU {meta['gpu']}, commit {meta['commit']}, HBM read {meta['read_tb_s']:.2f} TB/s")
+    def partial(rows):  # keep what was measured if the run is cut short
+        (out / f"{args.name}.json").write_text(json.dumps(dict(meta={**meta, "partial": True}, rows=rows), indent=1))
+
+    rows = bench_rows(shapes, [int(t) for t in args.tokens.split(",")], args.routing.split(","), args.seed, log, partial)
+    meta["seconds"] = time.time() - t0
+    (out / f"{args.name}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    write_markdown(meta, rows, out / f"{args.name}.md")
+    try:
+        write_plot(rows, out / f"{args.name}.png")
+    except Exception as exc:  # noqa: BLE001
+        log(f"plot failed: {exc}")
+    log(f"done in {meta['seconds']:.0f} s; targets met {sum(r['target_met'] for r in rows)}/{len(rows)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
