@@ -8,6 +8,7 @@ defaults to ``kittens``, ``--host`` to 127.0.0.1, and with no model the embedded
 is built (offline, deterministic, cached) and served; ``--tiny-family`` picks another family.
 """
 
+import os
 import sys
 
 from mok_serve import tiny_models
@@ -38,6 +39,22 @@ def _model_given(argv: list[str], args) -> bool:
     return args.model_tag is not None or any(a == "--model" or a.startswith("--model=") for a in argv)
 
 
+def _bind_cpu_threads(args) -> None:
+    """vLLM's CPU workers bind their OpenMP threads one NUMA node each and refuse to start when
+    there are more workers than nodes (a 2-core VM has one); split this process's CPUs instead."""
+    from vllm.platforms import current_platform
+
+    workers = args.tensor_parallel_size * args.pipeline_parallel_size
+    if not current_platform.is_cpu() or workers < 2 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < workers:
+        raise SystemExit(f"mok-serve: {workers} CPU workers need at least {workers} CPUs; {len(cpus)} available")
+    per_worker = len(cpus) // workers
+    chunks = [cpus[i * per_worker : (i + 1) * per_worker] for i in range(workers)]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, c)) for c in chunks)
+
+
 def serve(argv: list[str]) -> int:
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
@@ -51,6 +68,7 @@ def serve(argv: list[str]) -> int:
     elif args.tiny_family:
         raise SystemExit("mok-serve: --tiny-family applies only when no model is given")
     validate_parsed_serve_args(args)
+    _bind_cpu_threads(args)
     ServeSubcommand.cmd(args)
     return 0
 

@@ -23,7 +23,8 @@ from vllm.platforms import current_platform
 from mok_serve.kernels import fused_moe
 
 KITTENS = "kittens"
-logger = init_logger(__name__)
+# vLLM configures handlers for its own logger tree only.
+logger = init_logger("vllm.mok_serve")
 
 
 class KittensExperts(mk.FusedMoEExpertsModular):

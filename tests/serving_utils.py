@@ -1,0 +1,35 @@
+"""Helpers for tests that talk to real servers."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+
+PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time, in a kingdom by the sea,",
+    "def fibonacci(n):",
+    "Kittens are small cats that",
+    "The mixture of experts layer routes each token",
+    "In 1969 the first person walked on",
+]
+
+
+def client(server, api_key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=api_key, max_retries=0, timeout=300)
+
+
+def model_id(server) -> str:
+    return client(server).models.list().data[0].id
+
+
+def greedy(server, prompt: str, max_tokens: int = 24) -> str:
+    c = client(server)
+    out = c.completions.create(model=model_id(server), prompt=prompt, max_tokens=max_tokens, temperature=0)
+    return out.choices[0].text
+
+
+def greedy_all(server, prompts=PROMPTS, max_tokens: int = 24, concurrent: bool = False) -> list[str]:
+    if not concurrent:
+        return [greedy(server, p, max_tokens) for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: greedy(server, p, max_tokens), prompts))
