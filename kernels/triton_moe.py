@@ -138,13 +138,27 @@ def _tile_of(pid_m, counts_ptr, num_local, E_PAD: tl.constexpr, BLOCK_M: tl.cons
 
 
 @triton.jit
+def _dot(a, b, acc, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr):
+    if DOT_F32:
+        # The Triton interpreter (CPU tests) mis-multiplies bf16 dots: upcast there.
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if DOT_IEEE:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
 def _moe_gemm1_kernel(
-    x_ptr, w_ptr, act_ptr, sorted_rows_ptr, counts_ptr,
+    x_ptr, w_ptr, w_desc, act_ptr, sorted_rows_ptr, counts_ptr,
     num_local, H, I,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
     TOPK: tl.constexpr, E_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
+    GU_FUSED: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(I, BLOCK_N)
@@ -161,40 +175,64 @@ def _moe_gemm1_kernel(
         offs_k = tl.arange(0, BLOCK_K)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < I
+        # A rows gathered from hidden_states by token index (no permuted copy).
         a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
-        # B tiles are [BLOCK_K, BLOCK_N] views of w13[e] ([2I, H], K = H contiguous).
-        wg_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-        wu_ptrs = wg_ptrs + I * stride_wn
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                if EVEN_N:
-                    bg = tl.load(wg_ptrs)
-                    bu = tl.load(wu_ptrs)
+        w_base = w_ptr + e.to(tl.int64) * stride_we
+        if GU_FUSED:
+            # One [BLOCK_K, 2*BLOCK_N] B tile whose columns interleave gate and up rows of w13, so
+            # a single dot (one wgmma chain of width 2*BLOCK_N) makes both; split in the epilogue.
+            offs_j = tl.arange(0, 2 * BLOCK_N)
+            n_j = pid_n * BLOCK_N + offs_j // 2
+            nj_ok = n_j < I
+            w_ptrs = w_base + (n_j + (offs_j % 2) * I)[None, :] * stride_wn + offs_k[:, None] * stride_wk
+            acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, H, BLOCK_K):
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                    if EVEN_N:
+                        b = tl.load(w_ptrs)
+                    else:
+                        b = tl.load(w_ptrs, mask=nj_ok[None, :], other=0.0)
                 else:
-                    bg = tl.load(wg_ptrs, mask=n_ok[None, :], other=0.0)
-                    bu = tl.load(wu_ptrs, mask=n_ok[None, :], other=0.0)
-            else:
-                k_ok = offs_k < H - k0
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                bg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                bu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if DOT_F32:
-                # The Triton interpreter (CPU tests) mis-multiplies bf16 dots: upcast there.
-                a = a.to(tl.float32)
-                bg = bg.to(tl.float32)
-                bu = bu.to(tl.float32)
-            if DOT_IEEE:
-                acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
-                acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
-            else:
-                acc_g = tl.dot(a, bg, acc_g)
-                acc_u = tl.dot(a, bu, acc_u)
-            a_ptrs += BLOCK_K * stride_xh
-            wg_ptrs += BLOCK_K * stride_wk
-            wu_ptrs += BLOCK_K * stride_wk
+                    k_ok = offs_k < H - k0
+                    a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                    b = tl.load(w_ptrs, mask=k_ok[:, None] & nj_ok[None, :], other=0.0)
+                acc = _dot(a, b, acc, DOT_IEEE, DOT_F32)
+                a_ptrs += BLOCK_K * stride_xh
+                w_ptrs += BLOCK_K * stride_wk
+            acc_g, acc_u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
+        else:
+            wg_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+            wu_ptrs = wg_ptrs + I * stride_wn
+            row_g = e * (2 * I) + pid_n * BLOCK_N  # row of w13 viewed as [E*2I, H] (TMA path)
+            acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, H, BLOCK_K):
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                else:
+                    k_ok = offs_k < H - k0
+                    a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                if USE_TMA:
+                    # Weight tiles by the tensor-memory accelerator (rows past I spill into the
+                    # next rows of w13 and are masked at the store; past the tensor: zero fill).
+                    bg = w_desc.load([row_g, k0]).T
+                    bu = w_desc.load([row_g + I, k0]).T
+                elif EVEN_K:
+                    if EVEN_N:
+                        bg = tl.load(wg_ptrs)
+                        bu = tl.load(wu_ptrs)
+                    else:
+                        bg = tl.load(wg_ptrs, mask=n_ok[None, :], other=0.0)
+                        bu = tl.load(wu_ptrs, mask=n_ok[None, :], other=0.0)
+                else:
+                    bg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                    bu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                acc_g = _dot(a, bg, acc_g, DOT_IEEE, DOT_F32)
+                acc_u = _dot(a, bu, acc_u, DOT_IEEE, DOT_F32)
+                a_ptrs += BLOCK_K * stride_xh
+                wg_ptrs += BLOCK_K * stride_wk
+                wu_ptrs += BLOCK_K * stride_wk
         # Same rounding points as the reference: gate/up in the input dtype, SiLU*up in fp32.
         out_ty = act_ptr.dtype.element_ty
         gate = _cast(acc_g, out_ty, DOT_F32).to(tl.float32)
@@ -206,12 +244,13 @@ def _moe_gemm1_kernel(
 
 @triton.jit
 def _moe_gemm2_kernel(
-    act_ptr, w_ptr, y_ptr, sorted_rows_ptr, counts_ptr,
+    act_ptr, w_ptr, w_desc, y_ptr, sorted_rows_ptr, counts_ptr,
     num_local, H, I,
     stride_we, stride_wn, stride_wk,
     E_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(H, BLOCK_N)
@@ -227,25 +266,24 @@ def _moe_gemm2_kernel(
         n_ok = offs_n < H
         a_ptrs = act_ptr + (start_e + offs_m)[:, None].to(tl.int64) * I + offs_k[None, :]
         w_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        row_w = e * H + pid_n * BLOCK_N  # row of w2 viewed as [E*H, I] (TMA path)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):
             if EVEN_K:
                 a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            else:
+                k_ok = offs_k < I - k0
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if USE_TMA:
+                b = w_desc.load([row_w, k0]).T
+            elif EVEN_K:
                 if EVEN_N:
                     b = tl.load(w_ptrs)
                 else:
                     b = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
             else:
-                k_ok = offs_k < I - k0
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if DOT_F32:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            if DOT_IEEE:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
+            acc = _dot(a, b, acc, DOT_IEEE, DOT_F32)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K * stride_wk
         # Scatter each row to its (token, k) slot: y is [T*K, H] in row order.
@@ -326,6 +364,12 @@ def pick_configs(tokens: int, top_k: int, num_local: int, hidden: int, inter: in
     return g1, g2
 
 
+def _descriptor(t2d: torch.Tensor, block: list[int]):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t2d, block)
+
+
 def _max_row_tiles(rows: int, num_local: int, block_m: int) -> int:
     # sum_e ceil(c_e / BM) <= floor(sum_e c_e / BM) + (number of non-empty experts).
     return rows // block_m + min(num_local, rows)
@@ -388,10 +432,20 @@ def fused_moe_triton(
 
     g1, g2 = _configs if _configs is not None else pick_configs(tokens, top_k, num_local, hidden, inter)
     g1, g2 = dict(g1), dict(g2)
+    g1.setdefault("GU_FUSED", False)
+    for g in (g1, g2):
+        # TMA needs compiled code, contiguous weights and 16-byte aligned rows.
+        g["USE_TMA"] = bool(g.get("USE_TMA", False)) and not interpret and hidden_states.is_cuda
     bm1, bn1 = g1["BLOCK_M"], g1["BLOCK_N"]
+    w13_desc = w13
+    if g1["USE_TMA"]:
+        if w13.is_contiguous() and not g1["GU_FUSED"]:
+            w13_desc = _descriptor(w13.view(num_local * two_i, hidden), [bn1, g1["BLOCK_K"]])
+        else:
+            g1["USE_TMA"] = False
     grid1 = (_max_row_tiles(rows, num_local, bm1) * triton.cdiv(inter, bn1),)
     _moe_gemm1_kernel[grid1](
-        hidden_states, w13, act, sorted_rows, counts,
+        hidden_states, w13, w13_desc, act, sorted_rows, counts,
         num_local, hidden, inter,
         hidden_states.stride(0), hidden_states.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
         TOPK=top_k, E_PAD=e_pad,
@@ -399,9 +453,15 @@ def fused_moe_triton(
         **g1,
     )
     bm2, bn2 = g2["BLOCK_M"], g2["BLOCK_N"]
+    w2_desc = w2
+    if g2["USE_TMA"]:
+        if w2.is_contiguous():
+            w2_desc = _descriptor(w2.view(num_local * hidden, inter), [bn2, g2["BLOCK_K"]])
+        else:
+            g2["USE_TMA"] = False
     grid2 = (_max_row_tiles(rows, num_local, bm2) * triton.cdiv(hidden, bn2),)
     _moe_gemm2_kernel[grid2](
-        act, w2, y, sorted_rows, counts,
+        act, w2, w2_desc, y, sorted_rows, counts,
         num_local, hidden, inter,
         w2.stride(0), w2.stride(1), w2.stride(2),
         E_PAD=e_pad,

@@ -236,32 +236,46 @@ def judge(row):
 
 
 SWEEP_POINTS = [
-    ("DeepSeek-V3", 1), ("DeepSeek-V3", 128), ("DeepSeek-V3", 2048), ("DeepSeek-V3", 8192),
-    ("Qwen3-30B-A3B", 1), ("Qwen3-30B-A3B", 512), ("Qwen3-30B-A3B", 8192),
+    ("DeepSeek-V3", 1), ("DeepSeek-V3", 2048), ("DeepSeek-V3", 8192),
+    ("Kimi-K2", 8192), ("GLM-4.5", 1), ("GLM-4.5", 2048),
+    ("Qwen3-30B-A3B", 512), ("Qwen3-30B-A3B", 2048), ("Qwen3-30B-A3B", 8192),
 ]
 
 
-def _cfg(bm, bn, warps, stages, bk):
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+def _cfg(bm, bn, warps, stages, bk, **kw):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **kw)
 
 
 def sweep_variants(tokens, top_k, E, H, I):
+    """Named (GEMM1, GEMM2) config pairs around the default: gate/up fused into one dot, TMA weights."""
     from mok_serve.kernels.triton_moe import pick_configs
 
     d1, d2 = pick_configs(tokens, top_k, E, H, I)
+    bk1, bk2 = d1["BLOCK_K"], d2["BLOCK_K"]
+
+    def v(d, **kw):
+        return {**d, **kw}
+
+    out = [
+        ("default", d1, d2),
+        ("fused", v(d1, GU_FUSED=True), d2),
+        ("tma", v(d1, USE_TMA=True), v(d2, USE_TMA=True)),
+        ("fused+tma2", v(d1, GU_FUSED=True), v(d2, USE_TMA=True)),
+        ("tma s4", v(d1, USE_TMA=True, num_stages=4), v(d2, USE_TMA=True, num_stages=4)),
+        ("fused s4", v(d1, GU_FUSED=True, num_stages=4), v(d2, num_stages=4)),
+    ]
     avg = tokens * top_k / E
-    if avg <= 48:
-        v1 = [(64, 16, 4, 5), (64, 32, 4, 5), (64, 64, 4, 5), (64, 128, 4, 4), (64, d1["BLOCK_N"], 4, 3)]
-        v2 = [(64, 32, 4, 5), (64, 64, 4, 5), (64, 128, 4, 5), (64, 256, 8, 4), (64, d2["BLOCK_N"], 4, 3)]
-    elif avg <= 160:
-        v1 = [(64, 64, 4, 4), (64, 128, 8, 4), (64, 128, 4, 4), (128, 64, 8, 4), (128, 128, 8, 3)]
-        v2 = [(64, 128, 4, 4), (64, 256, 8, 4), (128, 128, 8, 4), (128, 256, 8, 3), (64, 128, 4, 3)]
+    if avg > 48:
+        out += [
+            ("bm128 fused+tma2", _cfg(128, 128, 8, 3, bk1, GU_FUSED=True), _cfg(128, 256, 8, 3, bk2, USE_TMA=True)),
+            ("bm128 tma", _cfg(128, 128, 8, 3, bk1, USE_TMA=True), _cfg(128, 256, 8, 3, bk2, USE_TMA=True)),
+            ("bm128 fused n64", _cfg(128, 64, 8, 4, bk1, GU_FUSED=True), _cfg(128, 128, 8, 4, bk2, USE_TMA=True)),
+        ]
     else:
-        v1 = [(128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 8, 4), (128, 64, 4, 4), (64, 128, 4, 3)]
-        v2 = [(128, 256, 8, 3), (128, 256, 8, 4), (128, 128, 8, 4), (128, 128, 4, 4), (64, 256, 8, 3)]
-    out = [("default", d1, d2)]
-    out += [(f"g1={v}", _cfg(*v, d1["BLOCK_K"]), d2) for v in v1]
-    out += [(f"g2={v}", d1, _cfg(*v, d2["BLOCK_K"])) for v in v2]
+        out += [
+            ("tma s6", v(d1, USE_TMA=True, num_stages=6), v(d2, USE_TMA=True, num_stages=6)),
+            ("tma n64", v(d1, USE_TMA=True, BLOCK_N=64), v(d2, USE_TMA=True, BLOCK_N=64)),
+        ]
     return out
 
 

@@ -101,6 +101,9 @@ def test_strided_int64_ids_and_bf16_weights():
     [
         (dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=32), dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=16)),
         (dict(BLOCK_M=128, BLOCK_N=32, BLOCK_K=32), dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=16)),
+        # gate and up interleaved into one dot
+        (dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=32, GU_FUSED=True), dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=16)),
+        (dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, GU_FUSED=True), dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32)),
     ],
 )
 def test_tile_configs_agree(cfg):
