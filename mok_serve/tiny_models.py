@@ -249,6 +249,7 @@ FAMILIES: dict[str, TinyFamily] = {
             first_k_dense_replace=1,
             num_attention_heads=4,
             num_key_value_heads=2,
+            head_dim=64,  # vLLM's Glm4MoeDecoderLayer reads config.head_dim
             n_routed_experts=8,
             n_shared_experts=1,
             num_experts_per_tok=2,
