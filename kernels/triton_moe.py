@@ -339,7 +339,9 @@ def pick_configs(tokens: int, top_k: int, num_local: int, hidden: int, inter: in
 
     Regimes by the average rows per expert (``tokens * top_k / experts``, a static quantity):
     few rows -> weight streaming (64-row tiles, narrow column tiles so that >= 2 programs per SM
-    read weights at decode sizes); many rows -> compute (128-row tiles, wide columns).
+    read weights at decode sizes); more rows -> 128-row tiles, 128x256 output tiles. Measured on an
+    H200 (kernels/NOTES.md): gate/up fused into one dot and TMA weight tiles in GEMM2 were best or
+    within noise everywhere; 128-row tiles beat 64-row tiles from ~64 rows per expert on.
     """
     rows = tokens * top_k
     avg = rows / max(num_local, 1)
@@ -353,26 +355,24 @@ def pick_configs(tokens: int, top_k: int, num_local: int, hidden: int, inter: in
         bn2 = 128
         while bn2 > 32 and busy * triton.cdiv(hidden, bn2) < 264:
             bn2 //= 2
-        g1 = dict(BLOCK_M=64, BLOCK_N=bn1, BLOCK_K=bk1, num_warps=4, num_stages=5)
-        g2 = dict(BLOCK_M=64, BLOCK_N=bn2, BLOCK_K=bk2, num_warps=4, num_stages=5)
-    elif avg <= 160:
-        g1 = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=bk1, num_warps=8, num_stages=4)
-        g2 = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=bk2, num_warps=4, num_stages=4)
+        stages = 5 if avg < 8 else 4
+        g1 = dict(BLOCK_M=64, BLOCK_N=bn1, BLOCK_K=bk1, num_warps=4, num_stages=stages, GU_FUSED=True)
+        g2 = dict(BLOCK_M=64, BLOCK_N=bn2, BLOCK_K=bk2, num_warps=4, num_stages=stages, USE_TMA=True)
     else:
-        g1 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=bk1, num_warps=8, num_stages=3)
-        g2 = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=bk2, num_warps=8, num_stages=3)
+        g1 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=bk1, num_warps=8, num_stages=3, GU_FUSED=True)
+        g2 = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=bk2, num_warps=8, num_stages=3, USE_TMA=True)
     return g1, g2
+
+
+def _max_row_tiles(rows: int, num_local: int, block_m: int) -> int:
+    # sum_e ceil(c_e / BM) <= floor(sum_e c_e / BM) + (number of non-empty experts).
+    return rows // block_m + min(num_local, rows)
 
 
 def _descriptor(t2d: torch.Tensor, block: list[int]):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return TensorDescriptor.from_tensor(t2d, block)
-
-
-def _max_row_tiles(rows: int, num_local: int, block_m: int) -> int:
-    # sum_e ceil(c_e / BM) <= floor(sum_e c_e / BM) + (number of non-empty experts).
-    return rows // block_m + min(num_local, rows)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -435,7 +435,10 @@ def fused_moe_triton(
     g1.setdefault("GU_FUSED", False)
     for g in (g1, g2):
         # TMA needs compiled code, contiguous weights and 16-byte aligned rows.
-        g["USE_TMA"] = bool(g.get("USE_TMA", False)) and not interpret and hidden_states.is_cuda
+        g["USE_TMA"] = (
+            bool(g.get("USE_TMA", False)) and not interpret and hidden_states.is_cuda
+            and hidden_states.dtype != torch.float32
+        )
     bm1, bn1 = g1["BLOCK_M"], g1["BLOCK_N"]
     w13_desc = w13
     if g1["USE_TMA"]:
