@@ -151,21 +151,31 @@ def _dot(a, b, acc, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _program_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of a program. Groups of GROUP_M row tiles sweep all column tiles
+    together, row tiles fastest: the row tiles of one expert (adjacent) read each weight tile at the
+    same time, so it comes from HBM once, and a row tile's A rows stay in L2 across the columns.
+    GROUP_M = 1 is plain column-fastest order."""
+    in_group = GROUP_M * num_n
+    first_m = (pid // in_group) * GROUP_M
+    size = tl.minimum(num_m - first_m, GROUP_M)
+    local = pid % in_group
+    return first_m + local % size, local // size
+
+
+@triton.jit
 def _moe_gemm1_kernel(
     x_ptr, w_ptr, w_desc, act_ptr, sorted_rows_ptr, counts_ptr,
-    num_local, H, I,
+    num_local, H, I, num_m,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
     TOPK: tl.constexpr, E_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-    GU_FUSED: tl.constexpr, USE_TMA: tl.constexpr,
+    GU_FUSED: tl.constexpr, USE_TMA: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(I, BLOCK_N)
-    # Column tiles vary fastest: the programs in flight share their A rows (one row tile) and the
-    # row tiles of one expert sit next to each other, so each weight tile is read from HBM once.
-    pid_m = pid // num_n
-    pid_n = pid % num_n
+    pid_m, pid_n = _program_tile(pid, num_m, num_n, GROUP_M)
     total, e, m0, count_e, start_e = _tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M)
     if pid_m < total:
         offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -245,17 +255,16 @@ def _moe_gemm1_kernel(
 @triton.jit
 def _moe_gemm2_kernel(
     act_ptr, w_ptr, w_desc, y_ptr, sorted_rows_ptr, counts_ptr,
-    num_local, H, I,
+    num_local, H, I, num_m,
     stride_we, stride_wn, stride_wk,
     E_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(H, BLOCK_N)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
+    pid_m, pid_n = _program_tile(pid, num_m, num_n, GROUP_M)
     total, e, m0, count_e, start_e = _tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M)
     if pid_m < total:
         offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -359,8 +368,8 @@ def pick_configs(tokens: int, top_k: int, num_local: int, hidden: int, inter: in
         g1 = dict(BLOCK_M=64, BLOCK_N=bn1, BLOCK_K=bk1, num_warps=4, num_stages=stages, GU_FUSED=True)
         g2 = dict(BLOCK_M=64, BLOCK_N=bn2, BLOCK_K=bk2, num_warps=4, num_stages=stages, USE_TMA=True)
     else:
-        g1 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=bk1, num_warps=8, num_stages=3, GU_FUSED=True)
-        g2 = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=bk2, num_warps=8, num_stages=3, USE_TMA=True)
+        g1 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=bk1, num_warps=8, num_stages=3, GU_FUSED=True, GROUP_M=4)
+        g2 = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=bk2, num_warps=8, num_stages=3, USE_TMA=True, GROUP_M=4)
     return g1, g2
 
 
@@ -427,12 +436,16 @@ def fused_moe_triton(
     _moe_schedule_kernel[(num_local,)](
         topk_ids, emap, counts, sorted_rows,
         rows, num_global, num_local, topk_ids.stride(0), topk_ids.stride(1),
-        TOPK=top_k, HAS_MAP=has_map, BLOCK=1024 if rows > 256 else 256, num_warps=4,
+        # Every program scans all rows (twice): wide blocks keep that latency-bound loop short.
+        TOPK=top_k, HAS_MAP=has_map, BLOCK=4096 if rows > 2048 else 256 if rows <= 256 else 1024,
+        num_warps=8 if rows > 2048 else 4,
     )
 
     g1, g2 = _configs if _configs is not None else pick_configs(tokens, top_k, num_local, hidden, inter)
     g1, g2 = dict(g1), dict(g2)
     g1.setdefault("GU_FUSED", False)
+    g1.setdefault("GROUP_M", 1)
+    g2.setdefault("GROUP_M", 1)
     for g in (g1, g2):
         # TMA needs compiled code, contiguous weights and 16-byte aligned rows.
         g["USE_TMA"] = (
@@ -446,10 +459,11 @@ def fused_moe_triton(
             w13_desc = _descriptor(w13.view(num_local * two_i, hidden), [bn1, g1["BLOCK_K"]])
         else:
             g1["USE_TMA"] = False
-    grid1 = (_max_row_tiles(rows, num_local, bm1) * triton.cdiv(inter, bn1),)
+    num_m1 = _max_row_tiles(rows, num_local, bm1)
+    grid1 = (num_m1 * triton.cdiv(inter, bn1),)
     _moe_gemm1_kernel[grid1](
         hidden_states, w13, w13_desc, act, sorted_rows, counts,
-        num_local, hidden, inter,
+        num_local, hidden, inter, num_m1,
         hidden_states.stride(0), hidden_states.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
         TOPK=top_k, E_PAD=e_pad,
         EVEN_K=hidden % g1["BLOCK_K"] == 0, EVEN_N=inter % bn1 == 0, DOT_IEEE=dot_ieee, DOT_F32=interpret,
@@ -462,10 +476,11 @@ def fused_moe_triton(
             w2_desc = _descriptor(w2.view(num_local * hidden, inter), [bn2, g2["BLOCK_K"]])
         else:
             g2["USE_TMA"] = False
-    grid2 = (_max_row_tiles(rows, num_local, bm2) * triton.cdiv(hidden, bn2),)
+    num_m2 = _max_row_tiles(rows, num_local, bm2)
+    grid2 = (num_m2 * triton.cdiv(hidden, bn2),)
     _moe_gemm2_kernel[grid2](
         act, w2, w2_desc, y, sorted_rows, counts,
-        num_local, hidden, inter,
+        num_local, hidden, inter, num_m2,
         w2.stride(0), w2.stride(1), w2.stride(2),
         E_PAD=e_pad,
         EVEN_K=inter % g2["BLOCK_K"] == 0, EVEN_N=hidden % bn2 == 0, DOT_IEEE=dot_ieee, DOT_F32=interpret,

@@ -104,6 +104,8 @@ def test_strided_int64_ids_and_bf16_weights():
         # gate and up interleaved into one dot
         (dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=32, GU_FUSED=True), dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=16)),
         (dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, GU_FUSED=True), dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32)),
+        # grouped program order
+        (dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=32, GROUP_M=3), dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=16, GROUP_M=2)),
     ],
 )
 def test_tile_configs_agree(cfg):
