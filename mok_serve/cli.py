@@ -6,6 +6,13 @@
 Every `vllm serve` option passes through. Differences from `vllm serve`: ``--moe-backend``
 defaults to ``kittens``, ``--host`` to 127.0.0.1, and with no model the embedded tiny MoE model
 is built (offline, deterministic, cached) and served; ``--tiny-family`` picks another family.
+
+Per-layer MoE timing and expert load (any ``--moe-backend``) are on by default:
+``--kittens-timing N`` times every N-th call of each MoE layer (0 turns timing off: the MoE path
+is then exactly the stock one), ``--kittens-timing-window W`` keeps the last W sampled calls.
+They are served at ``GET /v1/kittens/layers``, ``/metrics`` and the page ``/kittens`` (the
+``kittens`` endpoint plugin, enabled through ``VLLM_PLUGINS``; the worker extension
+``mok_serve.vllm.timing.KittensWorkerExtension`` is the default ``--worker-extension-cls``).
 """
 
 import os
@@ -31,8 +38,55 @@ def build_parser():
         help=f"with no model given, serve the embedded tiny model of this family "
         f"(default {tiny_models.DEFAULT_FAMILY})",
     )
+    parser.add_argument(
+        "--kittens-timing",
+        type=int,
+        default=1,
+        metavar="N",
+        help="per-layer MoE timing: sample every N-th call of each MoE layer; 0 = off (default 1)",
+    )
+    parser.add_argument(
+        "--kittens-timing-window",
+        type=int,
+        default=1024,
+        metavar="W",
+        help="latency statistics over the last W sampled calls per layer (default 1024)",
+    )
     parser.set_defaults(moe_backend="kittens", host="127.0.0.1")
     return parser
+
+
+ENDPOINT_PLUGIN = "kittens"  # the vllm.endpoint_plugins entry point (and the general plugin's name)
+WORKER_EXTENSION = "mok_serve.vllm.timing.KittensWorkerExtension"
+
+
+def _allow_plugins() -> None:
+    """Endpoint plugins load only when named in ``VLLM_PLUGINS``, which is also the allowlist of
+    every other plugin group: keep every discovered plugin allowed and add ours."""
+    from importlib.metadata import entry_points
+
+    if "VLLM_PLUGINS" in os.environ:
+        names = [n for n in os.environ["VLLM_PLUGINS"].split(",") if n]
+    else:
+        eps = entry_points()
+        groups = [g for g in eps.groups if g.startswith("vllm.") and g != "vllm.endpoint_plugins"]
+        names = sorted({ep.name for g in groups for ep in eps.select(group=g)})
+    if ENDPOINT_PLUGIN not in names:
+        names.append(ENDPOINT_PLUGIN)
+    os.environ["VLLM_PLUGINS"] = ",".join(names)
+
+
+def _configure_timing(args) -> None:
+    from mok_serve.vllm.timing import CONFIG_KEY
+
+    if args.kittens_timing < 0 or args.kittens_timing_window < 1:
+        raise SystemExit("mok-serve: --kittens-timing must be >= 0 and --kittens-timing-window >= 1")
+    extra = dict(args.additional_config or {})
+    if CONFIG_KEY not in extra:
+        extra[CONFIG_KEY] = {"sample_every": args.kittens_timing, "window": args.kittens_timing_window}
+    args.additional_config = extra
+    if not args.worker_extension_cls:
+        args.worker_extension_cls = WORKER_EXTENSION
 
 
 def _model_given(argv: list[str], args) -> bool:
@@ -61,6 +115,7 @@ def serve(argv: list[str]) -> int:
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
 
     cli_env_setup()
+    _allow_plugins()
     args = build_parser().parse_args(argv)
     if not _model_given(argv, args):
         family = args.tiny_family or tiny_models.DEFAULT_FAMILY
@@ -68,6 +123,7 @@ def serve(argv: list[str]) -> int:
     elif args.tiny_family:
         raise SystemExit("mok-serve: --tiny-family applies only when no model is given")
     validate_parsed_serve_args(args)
+    _configure_timing(args)
     _bind_cpu_threads(args)
     ServeSubcommand.cmd(args)
     return 0

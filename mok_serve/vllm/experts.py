@@ -21,6 +21,7 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import QuantKey
 from vllm.platforms import current_platform
 
 from mok_serve.kernels import fused_moe
+from mok_serve.vllm import timing
 
 KITTENS = "kittens"
 # vLLM configures handlers for its own logger tree only.
@@ -103,7 +104,13 @@ class KittensExperts(mk.FusedMoEExpertsModular):
         if apply_router_weight_on_input:
             # prepare() already scaled the input by the (top-1) router weight.
             topk_weights = torch.ones_like(topk_weights)
-        output.copy_(fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, expert_map=expert_map))
+        slot = getattr(self, "_kittens_timing_slot", None)
+        if slot is not None:
+            topk_ids = timing.mark(topk_ids, slot, timing.EXPERTS_BEGIN)
+        out = fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, expert_map=expert_map)
+        if slot is not None:
+            out = timing.mark(out, slot, timing.EXPERTS_END)
+        output.copy_(out)
 
 
 class KittensFusedMoEMethod(UnquantizedFusedMoEMethod):
@@ -114,6 +121,9 @@ class KittensFusedMoEMethod(UnquantizedFusedMoEMethod):
     """
 
     def __init__(self, moe: FusedMoEConfig):
+        # Per-layer timing (timing.py); None when off, and then apply() is the stock one.
+        self._kittens_timing = timing.config_from_vllm()
+        self._kittens_timing_slot: int | None = None
         if moe.moe_backend != KITTENS:
             super().__init__(moe)
             return
@@ -132,3 +142,27 @@ class KittensFusedMoEMethod(UnquantizedFusedMoEMethod):
             "kittens: unquantized MoE layers run mok-serve's kittens experts (%s)",
             "Triton kernels" if current_platform.is_cuda() else "torch reference",
         )
+
+    def process_weights_after_loading(self, layer) -> None:
+        super().process_weights_after_loading(layer)
+        if not self._kittens_timing.enabled or self.moe_kernel is None:
+            return
+        experts = self.moe_kernel.fused_experts
+        backend = KITTENS if isinstance(experts, KittensExperts) else f"stock ({self.unquantized_backend.value})"
+        self._kittens_timing_slot = timing.register_layer(
+            layer, self._kittens_timing, backend, type(experts).__name__
+        )
+        if isinstance(experts, KittensExperts):
+            experts._kittens_timing_slot = self._kittens_timing_slot
+
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        slot = self._kittens_timing_slot
+        if slot is None:
+            return super().apply(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
+        # The timer's copy of topk_ids feeds the experts and its copy of the output feeds the
+        # rest of the model, so a compiler cannot move either timer off the work it brackets.
+        topk_ids = timing.mark(topk_ids, slot, timing.BEGIN)
+        out = super().apply(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
+        if isinstance(out, torch.Tensor):
+            out = timing.mark(out, slot, timing.END)
+        return out

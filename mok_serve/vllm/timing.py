@@ -1,0 +1,401 @@
+"""Per-layer MoE timing and expert load, collected inside vLLM's workers.
+
+``KittensFusedMoEMethod`` (which vLLM uses for every unquantized MoE layer once the plugin is
+loaded, whichever ``--moe-backend``) registers each layer here and calls :func:`mark` at four
+points of each call::
+
+    0 BEGIN          after top-k routing, before prepare/dispatch   (also counts top-k ids)
+    1 EXPERTS_BEGIN  inside the experts (kittens only)
+    2 EXPERTS_END    inside the experts (kittens only)
+    3 END            after finalize/combine
+
+so a sampled call gives ``total = t3 - t0`` and, for kittens, ``dispatch = t1 - t0``,
+``experts = t2 - t1``, ``combine = t3 - t2``.
+
+CPU: vLLM compiles the model with Dynamo + Inductor and traces into the MoE method, so
+:func:`mark` is an opaque custom op (``mok_serve::moe_timer``) that returns a copy of the tensor
+it is given; the caller threads the copy into the rest of the layer (top-k ids into the
+experts, the output to the layer's consumers), so Inductor cannot move a timer away from the
+work it brackets. Clock: ``time.perf_counter_ns``.
+
+CUDA: no host synchronisation and CUDA-graph safe. Each mark is one tiny Triton program that
+reads ``%globaltimer`` and writes it into a per-layer device buffer (call counter, ring of
+sampled timestamps, cumulative histograms); top-k ids are counted with ``index_add_``. Python
+does not run on graph replays, so sampling is decided on the device from the call counter.
+The buffers are read (one device-to-host copy) only by the stats RPC.
+
+Configuration comes from ``VllmConfig.additional_config["kittens_timing"]`` (``mok-serve`` sets
+it from ``--kittens-timing`` / ``--kittens-timing-window``; being part of the config hash it
+keeps timed and untimed compiled graphs apart in vLLM's compile cache)::
+
+    {"sample_every": N, "window": W}   # N = 0: off (the MoE path is exactly the stock one)
+
+The API server reads the stats with ``collective_rpc("kittens_layer_stats")`` (every rank)
+through :class:`KittensWorkerExtension` (``--worker-extension-cls``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass
+
+import torch
+
+CONFIG_KEY = "kittens_timing"
+DEFAULT_SAMPLE_EVERY = 1
+DEFAULT_WINDOW = 1024
+BEGIN, EXPERTS_BEGIN, EXPERTS_END, END = 0, 1, 2, 3
+PHASES = ("total", "dispatch", "experts", "combine")
+# Histogram bucket upper bounds, seconds (Prometheus `le`), then +Inf.
+BUCKETS_S = (
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 1e-1, 2.5e-1, 1.0,
+)  # fmt: skip
+BUCKETS_NS = tuple(int(round(b * 1e9)) for b in BUCKETS_S)
+NB = len(BUCKETS_S) + 1  # with +Inf
+
+
+@dataclass(frozen=True)
+class TimingConfig:
+    sample_every: int = 0
+    window: int = DEFAULT_WINDOW
+
+    @property
+    def enabled(self) -> bool:
+        return self.sample_every > 0
+
+
+def config_from_vllm(vllm_config=None) -> TimingConfig:
+    if vllm_config is None:
+        from vllm.config import get_current_vllm_config_or_none
+
+        vllm_config = get_current_vllm_config_or_none()
+    extra = getattr(vllm_config, "additional_config", None) if vllm_config is not None else None
+    raw = extra.get(CONFIG_KEY) if isinstance(extra, dict) else None
+    if not raw:
+        return TimingConfig()
+    sample_every = int(raw.get("sample_every", DEFAULT_SAMPLE_EVERY))
+    window = int(raw.get("window", DEFAULT_WINDOW))
+    if sample_every < 0 or window < 1:
+        raise ValueError(f"{CONFIG_KEY}: sample_every must be >= 0 and window >= 1, got {raw}")
+    return TimingConfig(sample_every, window)
+
+
+def _summary_ms(values_ns) -> dict | None:
+    import numpy as np
+
+    if len(values_ns) == 0:
+        return None
+    a = np.asarray(values_ns, dtype=np.float64) / 1e6
+    p50, p90, p99 = np.percentile(a, [50, 90, 99])
+    return {
+        "mean": float(a.mean()),
+        "p50": float(p50),
+        "p90": float(p90),
+        "p99": float(p99),
+        "max": float(a.max()),
+        "samples": int(a.size),
+    }
+
+
+class LayerTimer:
+    """One MoE layer on one rank. ``window`` state is cleared by reset; ``total_*`` and the
+    histograms are cumulative (Prometheus counters never go down)."""
+
+    def __init__(self, slot, name, index, num_experts, top_k, local_experts, ep_rank, ep_size,
+                 experts_class, config: TimingConfig, device: torch.device):  # fmt: skip
+        self.slot, self.name, self.index = slot, name, index
+        self.num_experts, self.top_k = num_experts, top_k
+        self.local_experts, self.ep_rank, self.ep_size = local_experts, ep_rank, ep_size
+        self.experts_class = experts_class
+        self.config = config
+        self.device = device
+        self.has_phases = False
+        self.window_started = time.time()
+        self.counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+        self.base_calls = self.base_tokens = 0
+        self.base_counts = [0] * num_experts
+
+    # overridden
+    def mark(self, t: torch.Tensor, point: int) -> None: ...
+
+    def read(self) -> dict: ...
+
+    def clear_window(self) -> None: ...
+
+    def count(self, topk_ids: torch.Tensor) -> None:
+        ids = topk_ids.reshape(-1).to(torch.int64)
+        self.counts.index_add_(0, ids, torch.ones_like(ids))
+
+    def snapshot(self) -> dict:
+        state = self.read()
+        counts = self.counts.tolist()
+        samples = state["samples"]  # list of (t0, t1, t2, t3) ns; t1/t2 0 when absent
+        total = [s[3] - s[0] for s in samples]
+        phases = None
+        phased = [s for s in samples if s[1] and s[2]]
+        if phased:
+            phases = {
+                "dispatch": _summary_ms([s[1] - s[0] for s in phased]),
+                "experts": _summary_ms([s[2] - s[1] for s in phased]),
+                "combine": _summary_ms([s[3] - s[2] for s in phased]),
+            }
+        nonzero_mean = sum(counts) / len(counts) if counts else 0
+        local = self.local_experts
+        return {
+            "rank_stats": {
+                "ep_rank": self.ep_rank,
+                "ep_size": self.ep_size,
+                "experts_class": self.experts_class,
+                "local_experts": local,
+                "calls": state["calls"],
+                "tokens": state["tokens"],
+                "sampled_calls": len(samples),
+                "latency_ms": _summary_ms(total),
+                "phases_ms": phases,
+                "expert_tokens": counts,
+                "local_expert_tokens": sum(counts[e] for e in local),
+                "imbalance": (max(counts) / nonzero_mean) if nonzero_mean > 0 else None,
+            },
+            "cumulative": {
+                "calls": self.base_calls + state["calls"],
+                "tokens": self.base_tokens + state["tokens"],
+                "expert_tokens": [b + c for b, c in zip(self.base_counts, counts)],
+                "histograms": state["histograms"],  # phase -> {"buckets": [NB counts], "sum_ns": int}
+            },
+        }
+
+    def reset(self) -> None:
+        state = self.read()
+        counts = self.counts.tolist()
+        self.base_calls += state["calls"]
+        self.base_tokens += state["tokens"]
+        self.base_counts = [b + c for b, c in zip(self.base_counts, counts)]
+        self.counts.zero_()
+        self.clear_window()
+        self.window_started = time.time()
+
+
+class CpuLayerTimer(LayerTimer):
+    """Wall clock on the host, inside the ``mok_serve::moe_timer`` custom op."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        import numpy as np
+
+        self.calls = self.tokens = 0
+        self.ring = np.zeros((self.config.window, 4), dtype=np.int64)
+        self.filled = 0
+        self.head = 0
+        self.pending: list[int] | None = None
+        self.hist = {p: [0] * NB for p in PHASES}
+        self.hist_sum = {p: 0 for p in PHASES}
+
+    def _observe(self, phase: str, dt: int) -> None:
+        self.hist[phase][bisect.bisect_left(BUCKETS_NS, dt)] += 1
+        self.hist_sum[phase] += dt
+
+    def mark(self, t: torch.Tensor, point: int) -> None:
+        now = time.perf_counter_ns()
+        if point == BEGIN:
+            self.calls += 1
+            self.tokens += t.shape[0]
+            self.count(t)
+            sampled = (self.calls - 1) % self.config.sample_every == 0
+            self.pending = [now, 0, 0, 0] if sampled else None
+            return
+        p = self.pending
+        if p is None:
+            return
+        if point != END:
+            p[point] = now
+            return
+        p[3] = now
+        self.pending = None
+        self.ring[self.head] = p
+        self.head = (self.head + 1) % len(self.ring)
+        self.filled = min(self.filled + 1, len(self.ring))
+        self._observe("total", p[3] - p[0])
+        if p[1] and p[2]:
+            self._observe("dispatch", p[1] - p[0])
+            self._observe("experts", p[2] - p[1])
+            self._observe("combine", p[3] - p[2])
+
+    def read(self) -> dict:
+        return {
+            "calls": self.calls,
+            "tokens": self.tokens,
+            "samples": self.ring[: self.filled].tolist(),
+            "histograms": {p: {"buckets": list(self.hist[p]), "sum_ns": self.hist_sum[p]} for p in PHASES},
+        }
+
+    def clear_window(self) -> None:
+        self.calls = self.tokens = 0
+        self.filled = self.head = 0
+        self.pending = None
+
+
+class TritonLayerTimer(LayerTimer):
+    """Device-side timestamps (``%globaltimer``) written by a tiny Triton kernel.
+
+    Buffer layout (int64): ``[0]`` calls, ``[1]`` tokens, then ``W x 4`` timestamps from
+    ``RING``, then ``4 x NB`` histogram counts from ``HIST``, then 4 sums (ns) from ``SUMS``.
+    ``use_globaltimer=False`` (the Triton interpreter on a CPU) stamps the host clock instead.
+    """
+
+    RING = 8
+
+    def __init__(self, *args, use_globaltimer: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        from mok_serve.vllm import timing_triton
+
+        self._k = timing_triton
+        W = self.config.window
+        self.hist_off = self.RING + 4 * W
+        self.sums_off = self.hist_off + 4 * NB
+        self.buf = torch.zeros(self.sums_off + 4, dtype=torch.int64, device=self.device)
+        self.bounds = torch.tensor(
+            list(BUCKETS_NS) + [2**62] * (timing_triton.NBP - len(BUCKETS_NS)), dtype=torch.int64, device=self.device
+        )
+        self.use_globaltimer = use_globaltimer
+
+    def mark(self, t: torch.Tensor, point: int) -> None:
+        if point == BEGIN:
+            self.count(t)
+        self._k.launch_mark(self, point, t.shape[0] if point == BEGIN else 0)
+
+    def read(self) -> dict:
+        buf = self.buf.cpu().tolist()
+        W = self.config.window
+        ring = [buf[self.RING + 4 * i : self.RING + 4 * i + 4] for i in range(W)]
+        samples = [s for s in ring if s[0] and s[3] >= s[0]]
+        hist = {}
+        for j, p in enumerate(PHASES):
+            hist[p] = {
+                "buckets": buf[self.hist_off + j * NB : self.hist_off + (j + 1) * NB],
+                "sum_ns": buf[self.sums_off + j],
+            }
+        return {"calls": buf[0], "tokens": buf[1], "samples": samples, "histograms": hist}
+
+    def clear_window(self) -> None:
+        self.buf[: self.hist_off].zero_()
+
+
+class _Registry:
+    def __init__(self):
+        self.layers: list[LayerTimer] = []
+        self.by_name: dict[str, LayerTimer] = {}
+        self.config = TimingConfig()
+        self.backend = None
+
+    def register(self, layer, config: TimingConfig, backend: str, experts_class: str) -> int:
+        name = layer.layer_name
+        if name in self.by_name:
+            return self.by_name[name].slot
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        try:
+            index = extract_layer_index(name)
+        except Exception:
+            index = len(self.layers)
+        pcfg = layer.moe_config.moe_parallel_config
+        num_experts = int(layer.global_num_experts)
+        expert_map = layer.expert_map
+        if expert_map is None:
+            local = list(range(num_experts))
+        else:
+            local = [e for e, v in enumerate(expert_map.tolist()) if v >= 0]
+        device = layer.w13_weight.device
+        cls = TritonLayerTimer if device.type == "cuda" else CpuLayerTimer
+        timer = cls(
+            len(self.layers), name, index, num_experts, int(layer.moe_config.experts_per_token), local,
+            int(pcfg.ep_rank), int(pcfg.ep_size), experts_class, config, device,
+        )  # fmt: skip
+        self.layers.append(timer)
+        self.by_name[name] = timer
+        self.config = config
+        self.backend = backend
+        return timer.slot
+
+
+REGISTRY = _Registry()
+
+
+def register_layer(layer, config: TimingConfig, backend: str, experts_class: str) -> int:
+    return REGISTRY.register(layer, config, backend, experts_class)
+
+
+@torch.library.custom_op("mok_serve::moe_timer", mutates_args=())
+def _moe_timer_op(t: torch.Tensor, slot: int, point: int) -> torch.Tensor:
+    REGISTRY.layers[slot].mark(t, point)
+    return t.clone()
+
+
+@_moe_timer_op.register_fake
+def _moe_timer_fake(t, slot, point):
+    return torch.empty_like(t)
+
+
+def mark(t: torch.Tensor, slot: int, point: int) -> torch.Tensor:
+    """Time stamp ``point`` of layer ``slot``; use the returned tensor in place of ``t``.
+
+    On CUDA this launches the timer kernel and returns ``t`` itself (stream order is enough);
+    elsewhere it is the opaque custom op, which returns a copy the caller must use.
+    """
+    if t.is_cuda:
+        REGISTRY.layers[slot].mark(t, point)
+        return t
+    return torch.ops.mok_serve.moe_timer(t, slot, point)
+
+
+def snapshot(rank_info: dict) -> dict:
+    """This rank's stats, plain Python (msgpack-able) for ``collective_rpc``."""
+    return {
+        **rank_info,
+        "backend": REGISTRY.backend,
+        "timing": {"enabled": REGISTRY.config.enabled, "sample_every": REGISTRY.config.sample_every,
+                   "window_calls": REGISTRY.config.window},  # fmt: skip
+        "clock": "cuda %globaltimer" if any(isinstance(t, TritonLayerTimer) for t in REGISTRY.layers)
+        else "host perf_counter_ns",
+        "window_started": min((t.window_started for t in REGISTRY.layers), default=time.time()),
+        "now": time.time(),
+        "layers": [
+            {"index": t.index, "name": t.name, "num_experts": t.num_experts, "top_k": t.top_k, **t.snapshot()}
+            for t in REGISTRY.layers
+        ],
+    }
+
+
+def reset() -> int:
+    for t in REGISTRY.layers:
+        t.reset()
+    return len(REGISTRY.layers)
+
+
+class KittensWorkerExtension:
+    """Mixed into vLLM's worker (``--worker-extension-cls``); the API server calls these
+    methods on every rank with ``engine_client.collective_rpc``."""
+
+    def _kittens_rank_info(self) -> dict:
+        info = {"rank": int(getattr(self, "rank", 0)), "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "pid": _pid()}
+        try:
+            from vllm.distributed import parallel_state as ps
+
+            info["tp_rank"] = ps.get_tensor_model_parallel_rank()
+            info["tp_size"] = ps.get_tensor_model_parallel_world_size()
+            info["dp_rank"] = ps.get_dp_group().rank_in_group
+        except Exception:
+            pass
+        return info
+
+    def kittens_layer_stats(self) -> dict:
+        return snapshot(self._kittens_rank_info())
+
+    def kittens_layer_reset(self) -> int:
+        return reset()
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()
