@@ -233,6 +233,7 @@ FAMILIES: dict[str, TinyFamily] = {
             moe_layer_freq=1,
             num_nextn_predict_layers=0,
         ),
+        lm_head_planted=0.8,
     ),
     "glm4_moe": TinyFamily(
         name="glm4_moe",
@@ -270,6 +271,7 @@ FAMILIES: dict[str, TinyFamily] = {
             hidden_act="silu",
         ),
         extra_config=dict(num_nextn_predict_layers=0),
+        lm_head_planted=0.8,
     ),
 }
 
