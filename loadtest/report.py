@@ -1,0 +1,413 @@
+"""Results folder: ``results.json`` (every request and every summary), ``report.md`` (side-by-side
+tables and ratios), PNG plots, and the one-screen summary printed at the end."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from .metrics import ratio
+
+# (label, summary path, format, better) for the headline and detailed tables.
+HEADLINE = [
+    ("output tok/s", ("output_throughput",), "{:.1f}", "higher"),
+    ("mean TTFT ms", ("ttft", "mean_ms"), "{:.2f}", "lower"),
+    ("mean TPOT ms", ("tpot", "mean_ms"), "{:.3f}", "lower"),
+]
+DETAIL = [
+    ("completed", ("completed",), "{:d}", None),
+    ("failed", ("failed",), "{:d}", None),
+    ("duration s", ("duration_s",), "{:.2f}", None),
+    ("request throughput req/s", ("request_throughput",), "{:.2f}", "higher"),
+    ("output tok/s", ("output_throughput",), "{:.1f}", "higher"),
+    ("total tok/s", ("total_token_throughput",), "{:.1f}", "higher"),
+    ("peak output tok/s (1 s buckets)", ("peak_output_throughput",), "{:.0f}", "higher"),
+] + [
+    (f"{m.upper()} {s} ms", (m, f"{s}_ms"), "{:.3f}" if m in ("tpot", "itl") else "{:.2f}", "lower")
+    for m in ("ttft", "tpot", "itl", "e2el")
+    for s in ("mean", "p50", "p90", "p99")
+]
+
+
+def get(summary: dict[str, Any], path: tuple[str, ...]) -> Any:
+    v: Any = summary
+    for k in path:
+        if not isinstance(v, dict) or k not in v:
+            return None
+        v = v[k]
+    return v
+
+
+def fmt(v: Any, f: str) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "—"
+    try:
+        return f.format(v)
+    except (ValueError, TypeError):
+        return str(v)
+
+
+def fmt_ratio(r: float | None) -> str:
+    return "—" if r is None else f"{r:.2f}x"
+
+
+def run_names(results: dict[str, Any]) -> list[str]:
+    names: list[str] = []
+    for t in results["targets"]:
+        for run in t.get("runs", []):
+            if run["spec"]["name"] not in names:
+                names.append(run["spec"]["name"])
+    return names
+
+
+def run_of(target: dict[str, Any], name: str) -> dict[str, Any] | None:
+    return next((r for r in target.get("runs", []) if r["spec"]["name"] == name), None)
+
+
+def comparison_pair(results: dict[str, Any]) -> tuple[dict | None, dict | None]:
+    """(baseline, candidate) targets for the ratio columns: stock and kittens when both are there,
+    else ``config.baseline`` and the first other target."""
+    targets = results["targets"]
+    by = {t["name"]: t for t in targets}
+    base_name = results["config"].get("baseline")
+    base = by.get(base_name) if base_name else None
+    if base is None and len(targets) >= 1:
+        base = targets[0]
+    others = [t for t in targets if t is not base]
+    cand = by.get("kittens") if by.get("kittens") is not base else None
+    cand = cand or (others[0] if others else None)
+    return base, cand
+
+
+def compute_ratios(results: dict[str, Any]) -> list[dict[str, Any]]:
+    base, cand = comparison_pair(results)
+    out = []
+    if base is None or cand is None:
+        return out
+    for name in run_names(results):
+        b, c = run_of(base, name), run_of(cand, name)
+        row: dict[str, Any] = {"run": name, "baseline": base["name"], "candidate": cand["name"]}
+        for label, path, _, _ in DETAIL:
+            bv = get(b["summary"], path) if b else None
+            cv = get(c["summary"], path) if c else None
+            row[label] = ratio(cv, bv)
+        out.append(row)
+    return out
+
+
+# ------------------------------------------------------------------------------------- JSON
+
+
+def write_json(results: dict[str, Any], folder: Path) -> Path:
+    path = folder / "results.json"
+    path.write_text(json.dumps(results, indent=1, default=_json_default))
+    return path
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, float) and (math.isinf(o) or math.isnan(o)):
+        return None
+    return str(o)
+
+
+# ---------------------------------------------------------------------------------- Markdown
+
+
+def headline_table(results: dict[str, Any]) -> str:
+    base, cand = comparison_pair(results)
+    targets = [t for t in (base, cand) if t is not None] + [
+        t for t in results["targets"] if t is not base and t is not cand
+    ]
+    header = ["run"]
+    for label, _, _, _ in HEADLINE:
+        header += [f"{t['name']} {label}" for t in targets]
+        if base and cand:
+            header.append(f"{cand['name']}/{base['name']}")
+    header.append("errors")
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name in run_names(results):
+        row = [name]
+        for label, path, f, _ in HEADLINE:
+            vals = []
+            for t in targets:
+                r = run_of(t, name)
+                vals.append(get(r["summary"], path) if r and not r.get("skipped") else None)
+            row += [fmt(v, f) for v in vals]
+            if base and cand:
+                row.append(fmt_ratio(ratio(vals[1], vals[0])))
+        errs = []
+        for t in targets:
+            r = run_of(t, name)
+            if r is None:
+                continue
+            if r.get("skipped"):
+                errs.append(f"{t['name']}: skipped")
+            elif r["summary"].get("failed"):
+                errs.append(f"{t['name']}: {r['summary']['failed']}")
+        row.append(", ".join(errs) or "0")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def detail_table(results: dict[str, Any], name: str) -> str:
+    base, cand = comparison_pair(results)
+    targets = [t for t in (base, cand) if t is not None] + [
+        t for t in results["targets"] if t is not base and t is not cand
+    ]
+    header = ["metric"] + [t["name"] for t in targets]
+    if base and cand:
+        header.append(f"{cand['name']}/{base['name']}")
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    runs = [run_of(t, name) for t in targets]
+    for label, path, f, _ in DETAIL:
+        vals = [get(r["summary"], path) if r else None for r in runs]
+        row = [label] + [fmt(v, f) for v in vals]
+        if base and cand:
+            row.append(fmt_ratio(ratio(vals[1], vals[0])) if _ratioable(label) else "")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def _ratioable(label: str) -> bool:
+    return label not in ("completed", "failed", "duration s")
+
+
+def layers_table(results: dict[str, Any], name: str) -> str | None:
+    """Per-layer MoE times (every time field the endpoint gave) for one run, side by side."""
+    base, cand = comparison_pair(results)
+    targets = [t for t in (base, cand) if t is not None] + [
+        t for t in results["targets"] if t is not base and t is not cand
+    ]
+    table: dict[tuple[str, str], dict[str, float]] = {}
+    present = []
+    for t in targets:
+        r = run_of(t, name)
+        parsed = ((r or {}).get("layers") or {}).get("parsed")
+        if not parsed:
+            continue
+        present.append(t["name"])
+        for layer in parsed:
+            for k in layer["time_fields"]:
+                table.setdefault((layer["label"], k), {})[t["name"]] = layer["fields"][k]
+    if not table:
+        return None
+    both = base is not None and cand is not None and {base["name"], cand["name"]} <= set(present)
+    header = ["layer", "field", *present] + ([f"{cand['name']}/{base['name']}"] if both else [])
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for (label, k), vals in table.items():
+        row = [label, k] + [fmt(vals.get(n), "{:.4g}") for n in present]
+        if both:
+            row.append(fmt_ratio(ratio(vals.get(cand["name"]), vals.get(base["name"]))))
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def write_markdown(results: dict[str, Any], folder: Path, plots: list[Path]) -> Path:
+    cfg = results["config"]
+    out = [f"# mok-loadtest serve: {', '.join(t['name'] for t in results['targets'])}", ""]
+    out.append(f"Command: `{cfg.get('command', '')}`  ")
+    out.append(f"Started {results.get('started', '')}; machine: {results.get('environment', {}).get('machine', '')}  ")
+    out.append(
+        f"Model: `{cfg.get('model') or ', '.join(sorted({str(t.get('model')) for t in results['targets']}))}`; workload: {cfg.get('workload_description')}; seed {cfg.get('seed')}; "
+        f"ignore_eos {cfg.get('ignore_eos')}"
+    )
+    out.append("")
+    out.append("Metric definitions are those of `vllm bench serve` (vLLM 0.32 `benchmarks/serve.py`): "
+               "TTFT to the first streamed token, TPOT = (E2E - TTFT) / (output tokens - 1), ITL = gaps "
+               "between streamed chunks, throughputs over the run's wall time; failed requests excluded "
+               "from every figure and counted. Ratios are candidate / baseline (above 1 is better for "
+               "throughputs, worse for latencies).")
+    out.append("")
+    out.append("## Summary")
+    out.append("")
+    out.append(headline_table(results))
+    out.append("")
+    problems = []
+    for t in results["targets"]:
+        for e in t.get("events", []):
+            problems.append(f"- **{t['name']}**: {e}")
+        for r in t.get("runs", []):
+            for n in r.get("notes", []):
+                problems.append(f"- {t['name']} `{r['spec']['name']}`: {n}")
+            if r.get("skipped"):
+                problems.append(f"- {t['name']} `{r['spec']['name']}`: skipped ({r['skipped']})")
+            for err, count in (r["summary"].get("errors") or {}).items():
+                problems.append(f"- {t['name']} `{r['spec']['name']}`: {count} failed: {err}")
+    out.append("## What happened")
+    out.append("")
+    out += problems or ["Every request succeeded; every server stayed up."]
+    out.append("")
+    for name in run_names(results):
+        out.append(f"## Run `{name}`")
+        out.append("")
+        out.append(detail_table(results, name))
+        out.append("")
+        lt = layers_table(results, name)
+        if lt:
+            out.append(f"Per-layer MoE timing from `GET /v1/kittens/layers` after run `{name}`:")
+            out.append("")
+            out.append(lt)
+            out.append("")
+    avail = {t["name"]: _layers_state(t) for t in results["targets"]}
+    out.append("## Per-layer MoE timing")
+    out.append("")
+    out += [f"- {n}: {s}" for n, s in avail.items()]
+    out.append("")
+    if plots:
+        out.append("## Plots")
+        out.append("")
+        out += [f"![{p.stem}]({p.name})" for p in plots]
+        out.append("")
+    path = folder / "report.md"
+    path.write_text("\n".join(out))
+    return path
+
+
+def _layers_state(target: dict[str, Any]) -> str:
+    states = [((r.get("layers") or {})) for r in target.get("runs", [])]
+    if any(s.get("parsed") for s in states):
+        return "available (shown per run above)"
+    if any(s.get("available") is False for s in states):
+        return f"not available (`GET /v1/kittens/layers` answered 404)"
+    errs = [s.get("error") for s in states if s.get("error")]
+    if errs:
+        return f"error: {errs[0]}"
+    return "not collected"
+
+
+# ------------------------------------------------------------------------------------- plots
+
+
+def write_plots(results: dict[str, Any], folder: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plots = []
+    targets = results["targets"]
+    colors = {t["name"]: c for t, c in zip(targets, ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"])}
+
+    def series(t, key_path, kind):
+        xs, ys = [], []
+        for r in t.get("runs", []):
+            spec = r["spec"]
+            if r.get("skipped") or r["summary"]["completed"] == 0:
+                continue
+            if kind == "concurrency" and spec["rate"] is None and spec["concurrency"]:
+                xs.append(spec["concurrency"])
+            elif kind == "rate" and spec["rate"] is not None:
+                xs.append(spec["rate"])
+            else:
+                continue
+            ys.append(get(r["summary"], key_path))
+        pairs = sorted((x, y) for x, y in zip(xs, ys) if y is not None)
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+
+    has_rate = any(r["spec"]["rate"] is not None for t in targets for r in t.get("runs", []))
+    # 1. output tokens/s vs concurrency (and vs request rate)
+    ncols = 2 if has_rate else 1
+    fig, axes = plt.subplots(1, ncols, figsize=(6 * ncols, 4.2), squeeze=False)
+    ax = axes[0][0]
+    for t in targets:
+        xs, ys = series(t, ("output_throughput",), "concurrency")
+        ax.plot(xs, ys, "o-", label=t["name"], color=colors[t["name"]])
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("max concurrency")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("Output tokens/s vs concurrency")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    if has_rate:
+        ax = axes[0][1]
+        for t in targets:
+            xs, ys = series(t, ("output_throughput",), "rate")
+            ax.plot(xs, ys, "o-", label=t["name"], color=colors[t["name"]])
+        ax.set_xlabel("request rate (Poisson, req/s)")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title("Output tokens/s vs request rate")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    p = folder / "throughput.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    plots.append(p)
+
+    # 2. TTFT and ITL percentiles vs concurrency
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    styles = {"p50": "-", "p90": "--", "p99": ":"}
+    for ax, metric, title in ((axes[0], "ttft", "TTFT"), (axes[1], "itl", "ITL")):
+        for t in targets:
+            for pct, ls in styles.items():
+                xs, ys = series(t, (metric, f"{pct}_ms"), "concurrency")
+                ax.plot(xs, ys, marker="o", linestyle=ls, color=colors[t["name"]], label=f"{t['name']} {pct}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("max concurrency")
+        ax.set_ylabel(f"{title} ms")
+        ax.set_title(f"{title} percentiles vs concurrency")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    p = folder / "latency.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    plots.append(p)
+
+    # 3. per-layer MoE time, last run that has it, per target
+    per_target = {}
+    for t in targets:
+        for r in reversed(t.get("runs", [])):
+            parsed = ((r.get("layers") or {}).get("parsed"))
+            if parsed:
+                per_target[t["name"]] = (r["spec"]["name"], parsed)
+                break
+    if per_target:
+        from . import layers as layers_mod
+
+        fig, ax = plt.subplots(figsize=(max(6, 1.2 * max(len(v[1]) for v in per_target.values()) + 3), 4.2))
+        width = 0.8 / len(per_target)
+        field_used = None
+        for j, (tname, (run_name, parsed)) in enumerate(per_target.items()):
+            key = layers_mod.headline_field(parsed)
+            if key is None:
+                continue
+            field_used = key
+            xs = [i + j * width for i in range(len(parsed))]
+            ax.bar(xs, [l["fields"][key] for l in parsed], width=width, label=f"{tname} ({run_name})",
+                   color=colors[tname])
+            ax.set_xticks([i + 0.4 - width / 2 for i in range(len(parsed))])
+            ax.set_xticklabels([l["label"] for l in parsed], rotation=30, ha="right", fontsize=8)
+        if field_used:
+            ax.set_ylabel(field_used)
+            ax.set_title("Per-layer MoE time (GET /v1/kittens/layers)")
+            ax.legend()
+            ax.grid(alpha=0.3, axis="y")
+            fig.tight_layout()
+            p = folder / "layers.png"
+            fig.savefig(p, dpi=110)
+            plots.append(p)
+        plt.close(fig)
+    return plots
+
+
+# ---------------------------------------------------------------------------------- console
+
+
+def console_summary(results: dict[str, Any], folder: Path, exit_code: int) -> str:
+    lines = ["", "=" * 78, "mok-loadtest serve: " + results["config"].get("workload_description", "")]
+    lines.append(headline_table(results))
+    for t in results["targets"]:
+        for e in t.get("events", []):
+            lines.append(f"! {t['name']}: {e}")
+        failed = sum(r["summary"]["failed"] for r in t.get("runs", []))
+        skipped = sum(1 for r in t.get("runs", []) if r.get("skipped"))
+        if failed or skipped:
+            lines.append(f"! {t['name']}: {failed} failed requests, {skipped} runs skipped")
+        lines.append(f"  {t['name']}: per-layer MoE timing {_layers_state(t)}")
+    lines.append(f"results: {folder}/ (report.md, results.json, *.png)")
+    lines.append("status: " + ("OK" if exit_code == 0 else f"FAILED (exit {exit_code})"))
+    lines.append("=" * 78)
+    return "\n".join(lines)
