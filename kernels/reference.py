@@ -118,6 +118,31 @@ def combine_topk(expert_out: torch.Tensor, topk_weights: torch.Tensor) -> torch.
     return out
 
 
+def run_experts(
+    x: torch.Tensor, row_token: torch.Tensor, row_expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """Expert output of each row: row i is ``x[row_token[i]]`` through local expert ``row_expert[i]``.
+
+    Returns ``[rows, H]`` in ``x``'s dtype; rows whose expert is -1 (not local) are zero. The rows
+    are sorted by expert with a stable sort so each expert sees its rows in their given order.
+    """
+    num_local = w13.shape[0]
+    # Rows of experts that live elsewhere sort after every local expert and are dropped.
+    sort_key = torch.where(row_expert >= 0, row_expert, num_local)
+    order = torch.argsort(sort_key, stable=True)
+    counts = torch.bincount(sort_key, minlength=num_local + 1)
+    num_rows = int(counts[:num_local].sum())
+    rows = order[:num_rows]
+    offsets = torch.cumsum(counts[:num_local], 0).to(torch.int32)
+    out = torch.zeros(row_token.numel(), x.shape[1], dtype=x.dtype, device=x.device)
+    if num_rows:
+        gate_up = torch._grouped_mm(x[row_token[rows]], w13.transpose(1, 2), offs=offsets)
+        gate, up = gate_up.float().chunk(2, dim=-1)
+        act = (F.silu(gate) * up).to(x.dtype)
+        out[rows] = torch._grouped_mm(act, w2.transpose(1, 2), offs=offsets)
+    return out
+
+
 def fused_moe_reference(
     hidden_states: torch.Tensor,
     w13: torch.Tensor,
@@ -131,23 +156,7 @@ def fused_moe_reference(
     """The MoE layer's routed experts, ``[T, H]`` in the input dtype (see the module docstring)."""
     check_fused_moe_args(hidden_states, w13, w2, topk_weights, topk_ids, expert_map, activation)
     tokens, hidden = hidden_states.shape
-    num_local, two_i, _ = w13.shape
     top_k = topk_ids.shape[1]
-    local = local_expert_ids(topk_ids, expert_map)
-    # Rows of experts that live elsewhere sort after every local expert and are dropped.
-    sort_key = torch.where(local >= 0, local, num_local)
-    order = torch.argsort(sort_key, stable=True)
-    counts = torch.bincount(sort_key, minlength=num_local + 1)
-    num_rows = int(counts[:num_local].sum())
-    rows = order[:num_rows]
-    offsets = torch.cumsum(counts[:num_local], 0).to(torch.int32)
-
-    expert_rows = torch.zeros(tokens * top_k, hidden, dtype=hidden_states.dtype, device=hidden_states.device)
-    if num_rows:
-        x = hidden_states[rows // top_k]
-        gate_up = torch._grouped_mm(x, w13.transpose(1, 2), offs=offsets)
-        gate, up = gate_up.float().chunk(2, dim=-1)
-        act = (F.silu(gate) * up).to(hidden_states.dtype)
-        expert_rows[rows] = torch._grouped_mm(act, w2.transpose(1, 2), offs=offsets)
-    out = combine_topk(expert_rows.view(tokens, top_k, hidden), topk_weights)
-    return out.to(hidden_states.dtype)
+    row_token = torch.arange(tokens * top_k, device=hidden_states.device) // top_k
+    rows = run_experts(hidden_states, row_token, local_expert_ids(topk_ids, expert_map), w13, w2)
+    return combine_topk(rows.view(tokens, top_k, hidden), topk_weights).to(hidden_states.dtype)

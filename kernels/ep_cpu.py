@@ -1,0 +1,253 @@
+"""Expert parallelism on the CPU: kittens' pull-based dispatch and combine over shared memory.
+
+Each rank of a process group owns some experts (an ``ExpertPlacement``). Per call, entirely
+through shared memory, every rank:
+
+1. posts its tokens (hidden rows, top-k ids) in its own segment and raises its POSTED flag;
+2. waits for every peer's POSTED flag, reads every rank's top-k ids, and computes the same
+   deterministic schedule everywhere: the rows each rank owns, in (source rank, token, k) order;
+3. **pulls** the hidden rows of its rows straight from the source ranks' segments, each token
+   row once per destination rank, runs its experts on them and writes the results into its own
+   segment in schedule order, then raises COMPUTED;
+4. waits for every peer's COMPUTED flag and **pulls** its own tokens' k results from the ranks
+   that computed them, summing them in fp32 in k order, exactly as ``fused_moe`` does.
+
+Because each row's expert output depends only on that row and the k order of the sum is fixed,
+the output is bitwise the same as ``fused_moe`` on one rank with all experts.
+
+With ``replicated_tokens`` every rank holds the same tokens (vLLM's tensor parallel without data
+parallel): step 3 reads nothing from peers and each rank computes only its experts' rows.
+
+One segment per rank serves every layer and call: a rank writes new tokens only after every peer
+has finished reading its old ones (they raise COMPUTED after reading), and new results only
+after every peer has posted the next call (so it has finished combining the previous one).
+Every wait is bounded and fails with ``PeerTimeoutError`` naming the rank and what it awaited.
+Flags are aligned int64 stores and loads, ordered after the data they publish on x86-64 (TSO).
+"""
+
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
+
+import torch
+import torch.distributed as dist
+
+from .reference import check_fused_moe_args, combine_topk, run_experts
+
+POSTED, COMPUTED, NUM_TOKENS = 0, 1, 2
+FLAG_SLOTS = 8
+ALIGN = 64
+
+
+class PeerTimeoutError(RuntimeError):
+    """A peer rank did not reach a step of an expert-parallel call in time."""
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Where each global expert lives: ``owner[e]`` is its rank, ``local[e]`` its index there."""
+
+    owner: torch.Tensor
+    local: torch.Tensor
+
+    @classmethod
+    def from_expert_maps(cls, expert_maps: list[torch.Tensor]) -> "ExpertPlacement":
+        """From every rank's vLLM-style expert map (global -> local id, -1 where not local)."""
+        maps = torch.stack([m.to(torch.int64).cpu() for m in expert_maps])
+        owned = maps >= 0
+        if not torch.equal(owned.sum(0), torch.ones(maps.shape[1], dtype=torch.int64)):
+            missing = (owned.sum(0) != 1).nonzero().flatten().tolist()
+            raise ValueError(f"every expert must live on exactly one rank; experts {missing[:8]} do not")
+        owner = owned.to(torch.int64).argmax(0)
+        return cls(owner=owner.to(torch.int32), local=maps.max(0).values.to(torch.int32))
+
+    @classmethod
+    def linear(cls, num_experts: int, world_size: int) -> "ExpertPlacement":
+        if num_experts % world_size:
+            raise ValueError(f"{num_experts} experts do not split evenly over {world_size} ranks")
+        per_rank = num_experts // world_size
+        e = torch.arange(num_experts, dtype=torch.int32)
+        return cls(owner=e // per_rank, local=e % per_rank)
+
+    def expert_map(self, rank: int) -> torch.Tensor:
+        return torch.where(self.owner == rank, self.local, -1)
+
+
+def _attach(name: str) -> shared_memory.SharedMemory:
+    shm = shared_memory.SharedMemory(name=name)
+    # The attaching process must not unlink the owner's segment when it exits.
+    resource_tracker.unregister(shm._name, "shared_memory")
+    return shm
+
+
+class _Segment:
+    """Typed views into one rank's shared-memory segment."""
+
+    def __init__(self, shm, max_tokens, hidden, top_k, max_rows, dtype):
+        self.shm = shm
+        offset = 0
+
+        def view(count, view_dtype):
+            nonlocal offset
+            t = torch.frombuffer(shm.buf, dtype=view_dtype, count=count, offset=offset)
+            offset += -(-count * t.element_size() // ALIGN) * ALIGN
+            return t
+
+        self.flags = view(FLAG_SLOTS, torch.int64)
+        self.ids = view(max_tokens * top_k, torch.int32).view(max_tokens, top_k)
+        self.x = view(max_tokens * hidden, dtype).view(max_tokens, hidden)
+        self.y = view(max_rows * hidden, dtype).view(max_rows, hidden)
+
+    @staticmethod
+    def nbytes(max_tokens, hidden, top_k, max_rows, dtype):
+        size = torch.tensor([], dtype=dtype).element_size()
+        parts = [FLAG_SLOTS * 8, max_tokens * top_k * 4, max_tokens * hidden * size, max_rows * hidden * size]
+        return sum(-(-p // ALIGN) * ALIGN for p in parts)
+
+    def release(self):
+        # Views must go before the mapping can close.
+        self.flags = self.ids = self.x = self.y = None
+        self.shm.close()
+
+
+class SharedMemoryEPWorkspace:
+    """Expert-parallel kittens MoE for a CPU process group; allocate once, call for every layer.
+
+    ``group`` is a torch.distributed group (gloo) of this process and its peers; every rank must
+    create the workspace with the same limits and then make the same sequence of calls.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        *,
+        max_tokens_per_rank: int,
+        hidden_size: int,
+        top_k: int,
+        dtype: torch.dtype,
+        placement: ExpertPlacement,
+        replicated_tokens: bool = False,
+        timeout_s: float = float(os.environ.get("MOK_EP_TIMEOUT_S", "120")),
+    ):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.max_tokens = max_tokens_per_rank
+        self.hidden = hidden_size
+        self.top_k = top_k
+        self.dtype = dtype
+        self.placement = placement
+        self.replicated = replicated_tokens
+        self.timeout_s = timeout_s
+        self.epoch = 0
+        sources = 1 if replicated_tokens else self.world_size
+        shape = (max_tokens_per_rank, hidden_size, top_k, sources * max_tokens_per_rank * top_k, dtype)
+
+        prefix = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
+        dist.broadcast_object_list(prefix, group_src=0, group=group)
+        names = [f"mok_ep_{prefix[0]}_{r}" for r in range(self.world_size)]
+        own = shared_memory.SharedMemory(name=names[self.rank], create=True, size=_Segment.nbytes(*shape))
+        self._own = own
+        dist.barrier(group=group)
+        self.segments = [
+            _Segment(own if r == self.rank else _attach(names[r]), *shape) for r in range(self.world_size)
+        ]
+        self.segments[self.rank].flags.zero_()
+        dist.barrier(group=group)
+
+    def close(self) -> None:
+        if self._own is None:
+            return
+        for seg in self.segments:
+            seg.release()
+        self._own.unlink()
+        self._own = None
+
+    def _wait_for_peers(self, slot: int, epoch: int, what: str, layer: str) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        for peer, seg in enumerate(self.segments):
+            spins = 0
+            while int(seg.flags[slot]) < epoch:
+                spins += 1
+                if spins > 64:
+                    time.sleep(20e-6)
+                    if time.monotonic() > deadline:
+                        raise PeerTimeoutError(
+                            f"kittens EP rank {self.rank}: rank {peer} did not {what} within "
+                            f"{self.timeout_s:g} s (layer {layer}, call {epoch})"
+                        )
+
+    def fused_moe(
+        self,
+        hidden_states: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        *,
+        layer: str = "?",
+    ) -> torch.Tensor:
+        """This rank's tokens through the experts of every rank: ``[T, H]``, as ``fused_moe``."""
+        expert_map = self.placement.expert_map(self.rank)
+        check_fused_moe_args(hidden_states, w13, w2, topk_weights, topk_ids, expert_map, "silu")
+        tokens = hidden_states.shape[0]
+        if tokens > self.max_tokens or hidden_states.shape[1] != self.hidden or topk_ids.shape[1] != self.top_k:
+            raise ValueError(
+                f"kittens EP workspace holds up to {self.max_tokens} tokens of hidden size {self.hidden} "
+                f"with top-{self.top_k}; got {tuple(hidden_states.shape)} with top-{topk_ids.shape[1]}"
+            )
+        if hidden_states.dtype != self.dtype:
+            raise ValueError(f"kittens EP workspace is for {self.dtype}, got {hidden_states.dtype}")
+        epoch = self.epoch + 1
+        me = self.segments[self.rank]
+
+        # 1. post this rank's tokens.
+        if not self.replicated:
+            me.ids[:tokens] = topk_ids
+            me.x[:tokens] = hidden_states
+        me.flags[NUM_TOKENS] = tokens
+        me.flags[POSTED] = epoch
+        self._wait_for_peers(POSTED, epoch, "post its tokens", layer)
+
+        # 2. the schedule, identical on every rank: rows in (source rank, token, k) order.
+        if self.replicated:
+            source_ids, my_source = [topk_ids.to(torch.int32)], 0
+        else:
+            source_ids = [seg.ids[: int(seg.flags[NUM_TOKENS])].clone() for seg in self.segments]
+            my_source = self.rank
+        row_source = torch.cat([torch.full((ids.numel(),), s) for s, ids in enumerate(source_ids)])
+        row_token = torch.cat([torch.arange(ids.numel()) // self.top_k for ids in source_ids])
+        row_expert = torch.cat([ids.flatten().long() for ids in source_ids])
+        row_owner = self.placement.owner[row_expert].long()
+        row_position = torch.empty_like(row_owner)
+        for r in range(self.world_size):
+            mine = row_owner == r
+            row_position[mine] = torch.arange(int(mine.sum()))
+
+        # 3. pull the rows this rank owns, each (source, token) once, and run its experts.
+        owned = row_owner == self.rank
+        key = row_source[owned] * (self.max_tokens + 1) + row_token[owned]
+        unique_keys, row_of_token = torch.unique_consecutive(key, return_inverse=True)
+        pulled_source, pulled_token = unique_keys // (self.max_tokens + 1), unique_keys % (self.max_tokens + 1)
+        if self.replicated:
+            pulled = hidden_states[pulled_token]
+        else:
+            pulled = torch.cat(
+                [self.segments[s].x[pulled_token[pulled_source == s]] for s in range(self.world_size)]
+            )
+        local_expert = self.placement.local[row_expert[owned]].long()
+        me.y[: int(owned.sum())] = run_experts(pulled, row_of_token, local_expert, w13, w2)
+        me.flags[COMPUTED] = epoch
+        self._wait_for_peers(COMPUTED, epoch, "finish its experts", layer)
+
+        # 4. pull this rank's k results from the ranks that computed them; fixed-order fp32 sum.
+        mine = row_source == my_source
+        owner, position = row_owner[mine], row_position[mine]
+        results = torch.empty(tokens * self.top_k, self.hidden, dtype=self.dtype)
+        for r in range(self.world_size):
+            from_r = owner == r
+            results[from_r] = self.segments[r].y[position[from_r]]
+        self.epoch = epoch
+        return combine_topk(results.view(tokens, self.top_k, self.hidden), topk_weights).to(self.dtype)

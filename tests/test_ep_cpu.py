@@ -1,0 +1,197 @@
+"""Kittens expert parallelism on the CPU: several processes pulling over shared memory.
+
+Every rank draws the same global inputs from a shared seed, runs its share through the
+expert-parallel workspace and checks the result bitwise against ``fused_moe`` on one rank with
+all experts (which is itself checked against float64 in test_reference.py).
+"""
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mok_serve.kernels import fused_moe
+from mok_serve.kernels.ep_cpu import ExpertPlacement, PeerTimeoutError, SharedMemoryEPWorkspace
+
+HIDDEN, INTER, TOP_K = 64, 32, 4
+MAX_TOKENS = 96
+
+
+def _global_inputs(seed, tokens_per_rank, num_experts, routing="uniform"):
+    g = torch.Generator().manual_seed(seed)
+    total = sum(tokens_per_rank)
+    x = torch.randn(total, HIDDEN, generator=g).bfloat16()
+    w13 = (torch.randn(num_experts, 2 * INTER, HIDDEN, generator=g) / 8).bfloat16()
+    w2 = (torch.randn(num_experts, HIDDEN, INTER, generator=g) / 6).bfloat16()
+    ids = torch.rand(total, num_experts, generator=g).argsort(dim=1)[:, :TOP_K].to(torch.int32)
+    if routing == "one_rank":  # every token's experts live on rank 0 (experts 0..TOP_K-1)
+        ids = torch.rand(total, TOP_K, generator=g).argsort(dim=1).to(torch.int32)
+    elif routing == "hot":  # one expert takes every token's first slot
+        ids[:, 0] = num_experts - 1
+        ids[:, 1:] = torch.rand(total, num_experts - 1, generator=g).argsort(dim=1)[:, : TOP_K - 1].to(torch.int32)
+    weights = torch.rand(total, TOP_K, generator=g)
+    return x, w13, w2, weights, ids
+
+
+def _rank_main(rank, world, port, scenario, queue):
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        torch.set_num_threads(1)
+        scenario(rank, world)
+        queue.put((rank, None))
+    except BaseException:
+        queue.put((rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(scenario, world, timeout=240):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, scenario, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        for _ in range(world):
+            rank, error = queue.get(timeout=timeout)
+            results[rank] = error
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    failures = {r: e for r, e in results.items() if e}
+    assert not failures, "\n".join(f"rank {r}:\n{e}" for r, e in failures.items())
+
+
+def _workspace(world, num_experts, replicated=False, timeout_s=60.0):
+    placement = ExpertPlacement.linear(num_experts, world)
+    ws = SharedMemoryEPWorkspace(
+        dist.group.WORLD, max_tokens_per_rank=MAX_TOKENS, hidden_size=HIDDEN, top_k=TOP_K,
+        dtype=torch.bfloat16, placement=placement, replicated_tokens=replicated, timeout_s=timeout_s,
+    )
+    return ws, placement
+
+
+def _local_weights(w13, w2, placement, rank):
+    mine = (placement.owner == rank).nonzero().flatten()
+    order = mine[placement.local[mine].argsort()]
+    return w13[order].contiguous(), w2[order].contiguous()
+
+
+CASES = [
+    # (tokens per rank for ranks 0..2, routing)
+    ((37, 5, 60), "uniform"),
+    ((0, 41, 9), "uniform"),  # a rank with no tokens
+    ((MAX_TOKENS, 1, 17), "one_rank"),  # every row goes to rank 0
+    ((23, 23, 50), "hot"),  # one hot expert
+    ((1, 1, 1), "uniform"),
+]
+
+
+def scenario_distinct(rank, world):
+    num_experts = 12
+    ws, placement = _workspace(world, num_experts)
+    try:
+        for call, (counts, routing) in enumerate(CASES):
+            counts = counts[:world]
+            x, w13, w2, weights, ids = _global_inputs(100 + call, counts, num_experts, routing)
+            expected = fused_moe(x, w13, w2, weights, ids)
+            start = sum(counts[:rank])
+            mine = slice(start, start + counts[rank])
+            local13, local2 = _local_weights(w13, w2, placement, rank)
+            for _ in range(2):  # back-to-back calls reuse the segments
+                out = ws.fused_moe(x[mine], local13, local2, weights[mine], ids[mine], layer=f"case{call}")
+                assert torch.equal(out, expected[mine]), f"case {call}: EP={world} differs from one rank"
+    finally:
+        ws.close()
+
+
+def scenario_replicated(rank, world):
+    num_experts = 8
+    ws, placement = _workspace(world, num_experts, replicated=True)
+    try:
+        for call, tokens in enumerate([1, 13, MAX_TOKENS, 0]):
+            x, w13, w2, weights, ids = _global_inputs(200 + call, [tokens], num_experts)
+            local13, local2 = _local_weights(w13, w2, placement, rank)
+            out = ws.fused_moe(x, local13, local2, weights, ids)
+            assert torch.equal(out, fused_moe(x, w13, w2, weights, ids))
+    finally:
+        ws.close()
+
+
+def scenario_silent_peer(rank, world):
+    num_experts = 8
+    ws, placement = _workspace(world, num_experts, timeout_s=1.5)
+    try:
+        x, w13, w2, weights, ids = _global_inputs(300, [8] * world, num_experts)
+        local13, local2 = _local_weights(w13, w2, placement, rank)
+        if rank == 1:
+            dist.barrier()  # never calls the layer; waits until rank 0 has given up
+            return
+        with pytest.raises(PeerTimeoutError, match=r"rank 0: rank 1 did not post its tokens within 1.5 s \(layer L7"):
+            ws.fused_moe(x[:8], local13, local2, weights[:8], ids[:8], layer="L7")
+        dist.barrier()
+    finally:
+        ws.close()
+
+
+def scenario_killed_peer(rank, world):
+    num_experts = 8
+    ws, placement = _workspace(world, num_experts, timeout_s=1.5)
+    x, w13, w2, weights, ids = _global_inputs(400, [8] * world, num_experts)
+    local13, local2 = _local_weights(w13, w2, placement, rank)
+    ws.fused_moe(x[rank * 8 : rank * 8 + 8], local13, local2, weights[:8], ids[:8])
+    if rank == 1:
+        os._exit(0)  # dies between calls
+    with pytest.raises(PeerTimeoutError, match="rank 1 did not post its tokens"):
+        ws.fused_moe(x[:8], local13, local2, weights[:8], ids[:8])
+    ws.close()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_expert_parallel_equals_one_rank_bitwise(world):
+    run_ranks(scenario_distinct, world)
+
+
+def test_replicated_tokens_tensor_parallel_mode():
+    run_ranks(scenario_replicated, 2)
+
+
+def test_silent_peer_times_out_with_a_clear_error():
+    run_ranks(scenario_silent_peer, 2)
+
+
+def test_killed_peer_times_out_with_a_clear_error():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, scenario_killed_peer, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    rank, error = queue.get(timeout=120)
+    for p in procs:
+        p.join(30)
+    assert rank == 0 and error is None, error
+    assert procs[1].exitcode == 0
+
+
+def test_placement_from_expert_maps():
+    maps = [torch.tensor([-1, 0, -1, 1]), torch.tensor([0, -1, 1, -1])]
+    p = ExpertPlacement.from_expert_maps(maps)
+    assert p.owner.tolist() == [1, 0, 1, 0] and p.local.tolist() == [0, 0, 1, 1]
+    assert torch.equal(p.expert_map(1), maps[1].to(torch.int32))
+    with pytest.raises(ValueError, match="exactly one rank"):
+        ExpertPlacement.from_expert_maps([torch.tensor([0, -1]), torch.tensor([0, -1])])
