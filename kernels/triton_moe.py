@@ -368,8 +368,11 @@ def pick_configs(tokens: int, top_k: int, num_local: int, hidden: int, inter: in
         g1 = dict(BLOCK_M=64, BLOCK_N=bn1, BLOCK_K=bk1, num_warps=4, num_stages=stages, GU_FUSED=True)
         g2 = dict(BLOCK_M=64, BLOCK_N=bn2, BLOCK_K=bk2, num_warps=4, num_stages=stages, USE_TMA=True)
     else:
-        g1 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=bk1, num_warps=8, num_stages=3, GU_FUSED=True, GROUP_M=4)
-        g2 = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=bk2, num_warps=8, num_stages=3, USE_TMA=True, GROUP_M=4)
+        # 4 stages hide more HBM latency where weights still dominate (~5-12% faster at 2048 tokens);
+        # at >160 rows/expert the 4th stage (192 KB of shared memory) was up to 33% slower.
+        stages = 4 if avg <= 160 else 3
+        g1 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=bk1, num_warps=8, num_stages=stages, GU_FUSED=True, GROUP_M=4)
+        g2 = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=bk2, num_warps=8, num_stages=stages, USE_TMA=True, GROUP_M=4)
     return g1, g2
 
 
