@@ -233,8 +233,15 @@ def write_markdown(results: dict[str, Any], folder: Path, plots: list[Path]) -> 
                 problems.append(f"- {t['name']} `{r['spec']['name']}`: {n}")
             if r.get("skipped"):
                 problems.append(f"- {t['name']} `{r['spec']['name']}`: skipped ({r['skipped']})")
-            for err, count in (r["summary"].get("errors") or {}).items():
-                problems.append(f"- {t['name']} `{r['spec']['name']}`: {count} failed: {err}")
+            errors = r["summary"].get("errors") or {}
+            if errors:
+                s = r["summary"]
+                problems.append(f"- {t['name']} `{r['spec']['name']}`: **{s['failed']} of {s['requests']} "
+                                f"requests failed**:")
+                for err, count in sorted(errors.items(), key=lambda kv: -kv[1])[:5]:
+                    problems.append(f"  - {count} x {err}")
+                if len(errors) > 5:
+                    problems.append(f"  - ... {len(errors) - 5} other distinct errors (results.json has all)")
     out.append("## What happened")
     out.append("")
     out += problems or ["Every request succeeded; every server stayed up."]
@@ -406,6 +413,9 @@ def console_summary(results: dict[str, Any], folder: Path, exit_code: int) -> st
         skipped = sum(1 for r in t.get("runs", []) if r.get("skipped"))
         if failed or skipped:
             lines.append(f"! {t['name']}: {failed} failed requests, {skipped} runs skipped")
+            first = next((e for r in t.get("runs", []) for e in (r["summary"].get("errors") or {})), None)
+            if first:
+                lines.append(f"  first error: {first}")
         lines.append(f"  {t['name']}: per-layer MoE timing {_layers_state(t)}")
     lines.append(f"results: {folder}/ (report.md, results.json, *.png)")
     lines.append("status: " + ("OK" if exit_code == 0 else f"FAILED (exit {exit_code})"))

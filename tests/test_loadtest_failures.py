@@ -1,0 +1,124 @@
+"""mok-loadtest against a fake loopback server that fails requests, dies mid-run or stalls: the
+report counts the errors and says what happened, the tool exits non-zero and does not hang."""
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from mok_serve import tiny_models
+from mok_serve.server_process import free_port
+
+TOOL_TIMEOUT = 180  # the tool must finish well before this: "never hangs"
+
+
+@pytest.fixture
+def fake_server():
+    procs = []
+
+    def start(*args):
+        port = free_port()
+        root = str(tiny_models.build_tiny_model())
+        p = subprocess.Popen([sys.executable, "-m", "mok_serve.loadtest.fake_server", "--port", str(port),
+                              "--root", root, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        procs.append(p)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                return p, f"http://127.0.0.1:{port}"
+            except OSError:
+                time.sleep(0.2)
+        raise RuntimeError("fake server did not start")
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+
+
+def run_tool(tmp_path, *args):
+    out = tmp_path / "results"
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "mok_serve.loadtest.cli", "serve", "--out", str(out), "--no-progress",
+         "--input-len", "16", "--output-len", "16", *args],
+        capture_output=True, text=True, timeout=TOOL_TIMEOUT,
+    )
+    elapsed = time.monotonic() - t0
+    results = json.loads((out / "results.json").read_text())
+    report = (out / "report.md").read_text()
+    return proc, results, report, elapsed
+
+
+def test_failed_requests_are_counted(fake_server, tmp_path):
+    _, url = fake_server("--fail-every", "3")
+    proc, results, report, _ = run_tool(
+        tmp_path, "--url", f"flaky={url}", "--concurrency", "2", "--request-rate", "", "--num-requests", "12",
+        "--warmup", "0",
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    (target,) = results["targets"]
+    (run,) = target["runs"]
+    s = run["summary"]
+    assert (s["completed"], s["failed"]) == (8, 4)
+    assert sum(1 for r in run["records"] if not r["success"]) == 4
+    assert all(r["http_status"] == 500 for r in run["records"] if not r["success"])
+    assert s["errors"] == {f"HTTP 500 Internal Server Error: fake failure of request {n}": 1 for n in (3, 6, 9, 12)}
+    # figures come from the successful requests only
+    assert s["total_output_tokens"] == 8 * 16
+    assert "**4 of 12 requests failed**" in report and "1 x HTTP 500 Internal Server Error: fake failure" in report
+    assert "flaky: 4" in report  # the errors column of the summary table
+    assert "FAILED (exit 1)" in proc.stdout
+
+
+def test_server_dying_mid_run(fake_server, tmp_path):
+    server, url = fake_server("--die-after", "5", "--token-gap", "0.01")
+    proc, results, report, elapsed = run_tool(
+        tmp_path, "--url", f"stock={url}", "--concurrency", "1,2", "--request-rate", "4", "--num-requests", "10",
+        "--warmup", "0",
+    )
+    assert server.poll() == 3  # it did die
+    assert proc.returncode == 1
+    assert elapsed < 90
+    first, second, third = results["targets"][0]["runs"]
+    assert first["summary"]["completed"] == 5 and first["summary"]["failed"] == 5
+    errors = " ".join(first["summary"]["errors"])
+    assert "ServerDisconnected" in errors or "ClientConnector" in errors or "before [DONE]" in errors
+    assert second["skipped"] and third["skipped"]
+    assert "stopped answering during run c=1" in second["skipped"]
+    assert "stopped answering during run c=1" in report and "skipped" in report
+
+
+def test_stalled_server_times_out(fake_server, tmp_path):
+    _, url = fake_server("--stall-after", "2")
+    proc, results, report, elapsed = run_tool(
+        tmp_path, "--url", f"kittens={url}", "--concurrency", "2", "--request-rate", "", "--num-requests", "6",
+        "--warmup", "0", "--stall-timeout", "2", "--request-timeout", "4",
+    )
+    assert proc.returncode == 1
+    assert elapsed < 60
+    s = results["targets"][0]["runs"][0]["summary"]
+    assert s["completed"] == 2 and s["failed"] == 4
+    assert all(k.startswith("timeout after") for k in s["errors"])
+    assert "timeout after" in report
+
+
+def test_layers_endpoint_is_reported(fake_server, tmp_path):
+    _, url_a = fake_server("--layers")
+    _, url_b = fake_server()
+    proc, results, report, _ = run_tool(
+        tmp_path, "--url", f"stock={url_b}", "--url", f"kittens={url_a}", "--concurrency", "2",
+        "--request-rate", "", "--num-requests", "4", "--warmup", "1",
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    stock, kittens = results["targets"]
+    assert stock["runs"][0]["layers"] == {"available": False}
+    parsed = kittens["runs"][0]["layers"]["parsed"]
+    assert [p["label"] for p in parsed] == ["model.layers.0.mlp.experts (rank 0)", "model.layers.1.mlp.experts (rank 0)"]
+    assert "latency_us.mean" in report and "answered 404" in report
+    assert (tmp_path / "results" / "layers.png").stat().st_size > 1000
