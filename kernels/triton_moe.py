@@ -16,11 +16,12 @@ k order) in four launches and with no host synchronisation:
    Row tiles are numbered expert by expert; each program maps its tile id to (expert, first row)
    from the per-expert counts (a cumsum over at most 512 experts, in registers). The grid is the
    worst case (``T*K // BM + min(E, T*K)`` row tiles) and surplus programs exit at once. The A rows
-   are gathered from ``hidden_states`` by token index inside the K loop (no permuted copy). The
+   are gathered from ``hidden_states`` by token index inside the K loop (no permuted copy). Gate and
+   up rows of ``w13`` are interleaved into one ``2*BLOCK_N``-wide B tile so one dot makes both. The
    epilogue computes ``silu(gate) * up`` in fp32 and writes the activation in expert order.
-3. ``_moe_gemm2_kernel`` -- grouped GEMM over ``w2`` reading the activation rows in expert order
-   and scattering each output row to its (token, k) slot of ``y`` (``[T*K, H]``), so the combine
-   reads a token's k rows contiguously.
+3. ``_moe_gemm2_kernel`` -- grouped GEMM over ``w2`` (weight tiles by TMA) reading the activation
+   rows in expert order and scattering each output row to its (token, k) slot of ``y``
+   (``[T*K, H]``), so the combine reads a token's k rows contiguously.
 4. ``_moe_combine_kernel`` -- ``out[t] = sum_k w[t,k] * y[t,k]`` in fp32, k in order; rows whose
    expert is not local (or whose id is out of range) are not read and contribute zero.
 
