@@ -16,7 +16,7 @@ from typing import Any
 NAME_KEYS = ("layer", "layer_name", "name", "prefix", "layer_index", "index", "id")
 RANK_KEYS = ("rank", "ep_rank", "tp_rank")
 TIME_RE = re.compile(r"(lat|time|dur|elapsed|_us|_ms|_ns|(^|\.)us|(^|\.)ms|mean|median|p50|p90|p99|avg)", re.I)
-NOT_TIME_RE = re.compile(r"(count|calls|tokens|load|imbalance|rank|index|window|size|rate)", re.I)
+NOT_TIME_RE = re.compile(r"(count|calls|tokens|load|imbalance|rank|index|window|size|rate|samples|pid)", re.I)
 
 
 def find_layer_list(doc: Any) -> list[dict] | None:
@@ -65,16 +65,28 @@ def is_time_field(key: str) -> bool:
 
 
 def parse_layers(doc: Any) -> list[dict[str, Any]] | None:
-    """``[{"label": ..., "fields": {name: number}, "time_fields": [...]}, ...]`` or None."""
+    """``[{"label": ..., "fields": {name: number}, "time_fields": [...]}, ...]`` or None.
+
+    A layer entry holding a list of objects (per-rank statistics, as mok-serve's ``ranks``) gives
+    one row per item, labelled ``<layer> (rank <r>)``, with the layer's own numbers added."""
     entries = find_layer_list(doc)
     if not entries:
         return None
     parsed = []
+    skip = NAME_KEYS + RANK_KEYS
     for i, e in enumerate(entries):
-        fields = {k: v for k, v in flatten_numeric(e).items() if k not in NAME_KEYS + RANK_KEYS}
-        parsed.append(
-            {"label": layer_label(e, i), "fields": fields, "time_fields": [k for k in fields if is_time_field(k)]}
-        )
+        own = {k: v for k, v in flatten_numeric(e).items() if k not in skip}
+        subs = next((v for v in e.values() if isinstance(v, list) and v and all(isinstance(x, dict) for x in v)), None)
+        rows = []
+        if subs:
+            for j, sub in enumerate(subs):
+                rank = next((sub[k] for k in RANK_KEYS if k in sub and not isinstance(sub[k], (dict, list))), j)
+                fields = own | {k: v for k, v in flatten_numeric(sub).items() if k not in skip}
+                rows.append((f"{layer_label(e, i)} (rank {rank})", fields))
+        else:
+            rows.append((layer_label(e, i), own))
+        for label, fields in rows:
+            parsed.append({"label": label, "fields": fields, "time_fields": [k for k in fields if is_time_field(k)]})
     return parsed
 
 

@@ -166,3 +166,24 @@ def test_ratios_from_summaries():
     assert row["baseline"] == "stock" and row["candidate"] == "kittens"
     assert row["output tok/s"] == pytest.approx(1.5) and row["TTFT mean ms"] == pytest.approx(1.0)
     assert "| c=1 | 100.0 | 150.0 | 1.50x |" in report.headline_table(results)
+
+
+def test_layers_json_of_mok_serve_schema():
+    """The schema of server/stats.py: per-layer entries with a per-rank list."""
+    lat = {"mean": 0.2, "p50": 0.19, "p90": 0.25, "p99": 0.3, "max": 0.4, "samples": 100}
+    doc = {"object": "kittens.layers", "backend": "kittens", "timing": {"enabled": True, "sample_every": 1},
+           "num_layers": 2, "layers": [
+               {"index": i, "name": f"model.layers.{i}.mlp.experts", "num_experts": 8, "top_k": 2,
+                "ep_imbalance": 1.0, "ranks": [
+                    {"rank": r, "ep_rank": r, "ep_size": 2, "experts_class": "KittensExperts",
+                     "local_experts": [0, 1], "calls": 50, "tokens": 400, "sampled_calls": 50,
+                     "latency_ms": lat, "phases_ms": {"dispatch": {"mean": 0.01}, "experts": {"mean": 0.15}},
+                     "expert_tokens": [1] * 8, "local_expert_tokens": 4, "imbalance": 1.1}
+                    for r in range(2)]}
+               for i in range(2)]}
+    parsed = layers.parse_layers(doc)
+    assert [p["label"] for p in parsed] == [f"model.layers.{i}.mlp.experts (rank {r})" for i in range(2) for r in range(2)]
+    assert set(parsed[0]["time_fields"]) == {"latency_ms.mean", "latency_ms.p50", "latency_ms.p90", "latency_ms.p99",
+                                             "latency_ms.max", "phases_ms.dispatch.mean", "phases_ms.experts.mean"}
+    assert parsed[0]["fields"]["calls"] == 50 and parsed[0]["fields"]["num_experts"] == 8
+    assert layers.headline_field(parsed) == "latency_ms.mean"
