@@ -1,0 +1,633 @@
+"""Expert parallelism on CUDA GPUs: kittens' pull-based dispatch and combine over symmetric memory.
+
+``SymmetricMemoryEPWorkspace`` has the constructor and ``fused_moe`` API of the CPU version
+(``ep_cpu.SharedMemoryEPWorkspace``) and the same algorithm, but every step is a Triton kernel on
+the current stream and no step synchronises with the host. Each rank (one GPU) owns one
+symmetric-memory segment (``torch.distributed._symmetric_memory``), mapped into every peer, and
+the kernels take int64 tables of the peers' segment addresses.
+
+Segment of rank ``r`` (``S`` sources = world size, or 1 with ``replicated_tokens``):
+
+- ``flags[slot, p]`` int32, written by rank ``p`` (a system-scope release store into ``r``'s
+  segment), polled by ``r`` locally with acquire loads; slots ``POSTED`` and ``COMPUTED``; the
+  value is the call's epoch (a device counter, so CUDA-graph replays advance it too; flags only
+  grow, so nothing is ever reset);
+- ``n`` (tokens posted), ``ids [maxT, K]`` int32 and ``x [maxT, H]``: this rank's tokens;
+- ``y [S * maxT * K, H]``: expert outputs this rank computed, row ``(s * maxT + t) * K + k``
+  (pull return: the home rank reads them);
+- ``ret [maxT * K, H]``: the results of this rank's own tokens, row ``t * K + k`` (push return:
+  the owners write them).
+
+One call, on rank ``me`` (launches in stream order; epoch ``e``):
+
+1. ``post``: copy ``hidden_states`` and ``topk_ids`` (as int32) into the segment, store ``n``.
+2. ``sync(POSTED)``: ``e = epoch + 1``; release-store ``e`` into every peer's ``flags[POSTED, me]``,
+   then wait (bounded) until every peer's ``flags[POSTED, p] >= e``.
+3. ``gather``: read every source's ``n`` and top-k ids from its segment into ``all_ids
+   [S * maxT, K]`` (``-1`` past ``n``), and **pull** each source token row that has at least one
+   local expert, once, straight from the source's ``x`` into ``xl [S * maxT, H]``.
+4. ``schedule``: ``triton_moe``'s prefix-sum schedule over ``all_ids`` with this rank's expert map:
+   per local expert, its rows in (source rank, token, k) order; positions by prefix sums only.
+5. ``gemm1`` / ``gemm2``: ``triton_moe``'s grouped GEMMs (same block sizes rule, BLOCK_K per shape,
+   no split-K). GEMM2 writes row ``(s, t, k)`` to ``y`` (pull return) or, with ``return_mode=
+   "push"``, straight into ``ret`` of rank ``s`` at ``t * K + k`` (remote stores in the epilogue).
+6. ``sync(COMPUTED)``: release-store ``e`` into every peer's ``flags[COMPUTED, me]``; wait for all.
+7. ``combine``: ``out[t] = sum_k w[t, k] * y_k`` in fp32 in k order, where ``y_k`` is pulled from
+   the owner of expert ``ids[t, k]`` (its ``y`` row ``(me * maxT + t) * K + k``) or read from the
+   local ``ret`` (push). Same arithmetic as ``triton_moe``'s combine, so the output is bitwise that
+   of one-GPU ``fused_moe`` on the global inputs (each row's GEMM result depends only on the row).
+
+Why buffers can be reused without a trailing barrier: a rank overwrites ``x``/``ids``/``n`` in call
+``e + 1`` only after it saw every peer's ``COMPUTED(e)``, which peers raise after pulling (step 3
+precedes step 6). ``y`` (and a peer's ``ret``) are overwritten in call ``e + 1``'s GEMM2 only after
+every peer's ``POSTED(e + 1)``, which a peer raises after its combine of call ``e``. So back-to-back
+calls and layers share one segment safely with two flag waits per call.
+
+Bounded waits and errors: every wait gives up after ``timeout_s`` (``%globaltimer`` on the GPU; a
+spin count under the interpreter), records (what, peer, epoch) in a device error word, and every
+later wait returns at once (outputs are then garbage; discard the workspace). The error surfaces as
+``PeerTimeoutError`` naming this rank, the peer and what it awaited, **without a per-call host
+sync**: each eager call copies the error word into pinned host memory asynchronously, and the next
+call (or ``check_errors()``, which synchronises) raises it. With ``MOK_EP_SYNC_CHECK=1`` (or
+``sync_check=True``) every call synchronises and raises at once (debug mode). Under CUDA-graph
+replay only ``check_errors()`` reports.
+
+Not done (see kernels/NOTES.md "Expert parallel"): GEMM tiles do not yet start on rows as they
+arrive (phases are separated by kernel boundaries and the two flag waits, not a grid barrier);
+grids are sized for the workspace limit ``max_tokens_per_rank``, not the call's tokens.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+from .ep_cpu import ExpertPlacement, PeerTimeoutError
+from .reference import check_fused_moe_args
+from .triton_moe import (
+    _cast,
+    _descriptor,
+    _dot,
+    _max_row_tiles,
+    _moe_gemm1_kernel,
+    _moe_gemm2_kernel,
+    _moe_schedule_kernel,
+    _program_tile,
+    _tile_of,
+    pick_configs,
+)
+
+__all__ = ["ExpertPlacement", "PeerTimeoutError", "SymmetricMemoryEPWorkspace"]
+
+POSTED, COMPUTED = 0, 1
+NUM_SLOTS = 2
+# state (local int64 words): epoch, error code (slot + 1), error peer, error epoch, wait ns per slot
+ST_EPOCH, ST_ERR, ST_ERR_PEER, ST_ERR_EPOCH, ST_WAIT = 0, 1, 2, 3, 4
+STATE_WORDS = 8
+ALIGN = 256
+WHAT = {POSTED: "post its tokens", COMPUTED: "finish its experts"}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _now(USE_TIMER: tl.constexpr):
+    if USE_TIMER:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    else:
+        t = tl.full((), 0, tl.int64)
+    return t
+
+
+@triton.jit
+def _ep_sync_kernel(
+    flags_ptr, flagtab_ptr, state_ptr, slot, rank, world, timeout_ns, max_spins,
+    BUMP_EPOCH: tl.constexpr, USE_TIMER: tl.constexpr, SIGNAL: tl.constexpr, WAIT: tl.constexpr,
+):
+    """Signal ``slot`` with this call's epoch to every peer, then wait (bounded) for every peer."""
+    if BUMP_EPOCH:
+        epoch = tl.load(state_ptr + 0) + 1
+        tl.store(state_ptr + 0, epoch)
+    else:
+        epoch = tl.load(state_ptr + 0)
+    e32 = epoch.to(tl.int32)
+    if SIGNAL:
+        for p in range(world):
+            dst = tl.load(flagtab_ptr + p).to(tl.pointer_type(tl.int32))
+            tl.atomic_xchg(dst + slot * world + rank, e32, sem="release", scope="sys")
+    t0 = _now(USE_TIMER)
+    for p in range(world * WAIT):
+        f = flags_ptr + slot * world + p
+        val = tl.atomic_add(f, 0, sem="acquire", scope="sys")
+        err = tl.load(state_ptr + 1, volatile=True)
+        spins = tl.full((), 0, tl.int64)
+        elapsed = tl.full((), 0, tl.int64)
+        while (val < e32) & (err == 0) & (spins < max_spins) & (elapsed < timeout_ns):
+            val = tl.atomic_add(f, 0, sem="acquire", scope="sys")
+            err = tl.load(state_ptr + 1, volatile=True)
+            spins += 1
+            elapsed = _now(USE_TIMER) - t0
+        if (val < e32) & (err == 0):
+            tl.store(state_ptr + 2, tl.full((), 0, tl.int64) + p)
+            tl.store(state_ptr + 3, epoch)
+            tl.store(state_ptr + 1, tl.full((), 1, tl.int64) + slot)
+    tl.store(state_ptr + 4 + slot, _now(USE_TIMER) - t0)
+
+
+@triton.jit
+def _ep_post_kernel(
+    x_ptr, ids_ptr, seg_x_ptr, seg_ids_ptr, seg_n_ptr, tokens, H,
+    stride_xt, stride_xh, stride_it, stride_ik,
+    TOPK: tl.constexpr, K_PAD: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr, COPY_X: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if pid == 0:
+        tl.store(seg_n_ptr, tokens)
+    offs_t = pid * BT + tl.arange(0, BT)
+    t_ok = offs_t < tokens
+    offs_k = tl.arange(0, K_PAD)
+    km = t_ok[:, None] & (offs_k < TOPK)[None, :]
+    ids = tl.load(ids_ptr + offs_t[:, None].to(tl.int64) * stride_it + offs_k[None, :] * stride_ik, mask=km, other=-1)
+    tl.store(seg_ids_ptr + offs_t[:, None].to(tl.int64) * TOPK + offs_k[None, :], ids.to(tl.int32), mask=km)
+    if COPY_X:
+        for h0 in range(0, H, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            m = t_ok[:, None] & (offs_h < H)[None, :]
+            v = tl.load(x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + offs_h[None, :] * stride_xh, mask=m)
+            tl.store(seg_x_ptr + offs_t[:, None].to(tl.int64) * H + offs_h[None, :], v, mask=m)
+
+
+@triton.jit
+def _ep_gather_kernel(
+    ntab_ptr, idtab_ptr, xtab_ptr, all_ids_ptr, xl_ptr, emap_ptr,
+    max_tokens, H, num_global, num_local,
+    TOPK: tl.constexpr, K_PAD: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """Source ``s``'s ids into ``all_ids[s]`` (-1 past its token count) and a pull of each of its
+    token rows that has a local expert, once, from its segment into ``xl[s * maxT + t]``."""
+    s = tl.program_id(0)
+    offs_t = tl.program_id(1) * BT + tl.arange(0, BT)
+    n_s = tl.load(tl.load(ntab_ptr + s).to(tl.pointer_type(tl.int32)))
+    n_s = tl.minimum(tl.maximum(n_s, 0), max_tokens)
+    offs_k = tl.arange(0, K_PAD)
+    k_ok = offs_k < TOPK
+    t_in = offs_t < max_tokens
+    t_ok = offs_t < n_s
+    src_ids = tl.load(idtab_ptr + s).to(tl.pointer_type(tl.int32))
+    ids = tl.load(src_ids + offs_t[:, None].to(tl.int64) * TOPK + offs_k[None, :],
+                  mask=t_ok[:, None] & k_ok[None, :], other=-1)
+    dst_rows = (s * max_tokens + offs_t).to(tl.int64)
+    tl.store(all_ids_ptr + dst_rows[:, None] * TOPK + offs_k[None, :], ids, mask=t_in[:, None] & k_ok[None, :])
+    ok = (ids >= 0) & (ids < num_global)
+    lid = tl.load(emap_ptr + tl.where(ok, ids, 0), mask=ok, other=-1)
+    local = (ok & (lid >= 0) & (lid < num_local)).to(tl.int32)
+    need = (tl.sum(local, axis=1) > 0) & t_ok
+    src_x = tl.load(xtab_ptr + s).to(tl.pointer_type(xl_ptr.dtype.element_ty))
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        m = need[:, None] & (offs_h < H)[None, :]
+        v = tl.load(src_x + offs_t[:, None].to(tl.int64) * H + offs_h[None, :], mask=m)
+        tl.store(xl_ptr + dst_rows[:, None] * H + offs_h[None, :], v, mask=m)
+
+
+@triton.jit
+def _ep_gemm2_push_kernel(
+    act_ptr, w_ptr, w_desc, ret_ptr, rettab_ptr, sorted_rows_ptr, counts_ptr,
+    num_local, H, I, num_m, rank, rows_per_source,
+    stride_we, stride_wn, stride_wk,
+    E_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
+    USE_TMA: tl.constexpr, GROUP_M: tl.constexpr, ELEM_BYTES: tl.constexpr,
+):
+    """``triton_moe._moe_gemm2_kernel`` (same arithmetic) whose epilogue stores each row straight
+    into the ``ret`` buffer of the row's home rank (push return)."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(H, BLOCK_N)
+    pid_m, pid_n = _program_tile(pid, num_m, num_n, GROUP_M)
+    total, e, m0, count_e, start_e = _tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M)
+    if pid_m < total:
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < count_e
+        rows = tl.load(sorted_rows_ptr + start_e + offs_m, mask=row_ok, other=0)
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < H
+        a_ptrs = act_ptr + (start_e + offs_m)[:, None].to(tl.int64) * I + offs_k[None, :]
+        w_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        row_w = e * H + pid_n * BLOCK_N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            else:
+                k_ok = offs_k < I - k0
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if USE_TMA:
+                b = w_desc.load([row_w, k0]).T
+            elif EVEN_K:
+                if EVEN_N:
+                    b = tl.load(w_ptrs)
+                else:
+                    b = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = _dot(a, b, acc, DOT_IEEE, DOT_F32)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_wk
+        src = rows // rows_per_source
+        lrow = (rows % rows_per_source).to(tl.int64)
+        # Element offset of the home rank's ret buffer from ours (pointer + int64 offsets, no
+        # vector int->pointer casts).
+        base = tl.load(rettab_ptr + src, mask=row_ok, other=0)
+        mine = tl.load(rettab_ptr + rank)
+        elem = (base - mine) // ELEM_BYTES
+        y_ptrs = ret_ptr + (elem + lrow * H)[:, None] + offs_n[None, :]
+        tl.store(y_ptrs, _cast(acc, act_ptr.dtype.element_ty, DOT_F32), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _ep_combine_kernel(
+    ytab_ptr, ret_ptr, out_ptr, ids_ptr, w_ptr, owner_ptr,
+    H, num_global, src_row0,
+    stride_it, stride_ik, stride_wt, stride_wk, stride_ot,
+    TOPK: tl.constexpr, PULL: tl.constexpr, BLOCK_H: tl.constexpr, RNE_FIX: tl.constexpr,
+):
+    """``out[t] = sum_k w[t,k] * y[t,k]`` in fp32 in k order (``triton_moe``'s arithmetic); ``y``
+    pulled from the owner's ``y`` row ``src_row0 + t*K + k`` or read from the local ``ret``."""
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for k in tl.static_range(TOPK):
+        gid = tl.load(ids_ptr + t * stride_it + k * stride_ik)
+        ok = (gid >= 0) & (gid < num_global)
+        w = tl.load(w_ptr + t * stride_wt + k * stride_wk).to(tl.float32)
+        y_ok = h_ok & ((tl.zeros([BLOCK_H], dtype=tl.int32) + ok.to(tl.int32)) != 0)
+        row = (src_row0 + t * TOPK + k).to(tl.int64)
+        if PULL:
+            o = tl.load(owner_ptr + tl.where(ok, gid, 0).to(tl.int64))
+            src = tl.load(ytab_ptr + o).to(tl.pointer_type(out_ptr.dtype.element_ty))
+            y = tl.load(src + row * H + offs, mask=y_ok, other=0.0)
+        else:
+            y = tl.load(ret_ptr + row * H + offs, mask=y_ok, other=0.0)
+        prod = w * y.to(tl.float32)
+        acc = acc + prod
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, _cast(acc, out_ptr.dtype.element_ty, RNE_FIX), mask=h_ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# Workspace
+# ----------------------------------------------------------------------------------------------
+
+
+def _up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class _Layout:
+    """Byte offsets of the regions of one segment (identical on every rank)."""
+
+    def __init__(self, world, sources, max_tokens, hidden, top_k, elem):
+        self.flags = 0
+        self.n = _up(NUM_SLOTS * world * 4)
+        self.ids = self.n + ALIGN
+        self.x = self.ids + _up(max_tokens * top_k * 4)
+        self.y = self.x + _up(max_tokens * hidden * elem)
+        self.ret = self.y + _up(sources * max_tokens * top_k * hidden * elem)
+        self.total = self.ret + _up(max_tokens * top_k * hidden * elem)
+
+
+class SymmetricMemoryEPWorkspace:
+    """Expert-parallel kittens MoE for a group of GPUs; allocate once, call for every layer.
+
+    ``group`` is a torch.distributed process group (NCCL) with one GPU per rank (the current CUDA
+    device); every rank creates the workspace with the same limits and makes the same sequence of
+    ``fused_moe`` calls (token counts may differ, 0 to ``max_tokens_per_rank``). ``placement`` says
+    which rank owns each global expert; ``w13``/``w2`` passed to ``fused_moe`` are this rank's
+    local experts in local-id order. ``replicated_tokens``: every rank holds the same tokens (TP
+    without DP); nothing is pulled and results always return by pull.
+
+    ``return_mode``: ``"pull"`` (the home rank reads its k results from the owners) or ``"push"``
+    (owners write them into the home rank's segment from GEMM2's epilogue); both give bitwise the
+    same output. ``timeout_s`` bounds every wait (see the module docstring for how a timeout is
+    reported). The call is CUDA-graph capturable (fixed token count per graph).
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        *,
+        max_tokens_per_rank: int,
+        hidden_size: int,
+        top_k: int,
+        dtype: torch.dtype,
+        placement: ExpertPlacement,
+        replicated_tokens: bool = False,
+        timeout_s: float = float(os.environ.get("MOK_EP_TIMEOUT_S", "120")),
+        return_mode: str = os.environ.get("MOK_EP_RETURN", "pull"),
+        sync_check: bool = os.environ.get("MOK_EP_SYNC_CHECK", "0") not in ("", "0"),
+        _simulated: tuple[int, list[torch.Tensor]] | None = None,
+        _max_spins: int | None = None,
+    ):
+        if return_mode not in ("pull", "push"):
+            raise ValueError(f"return_mode must be 'pull' or 'push', got {return_mode!r}")
+        self.group = group
+        self.simulated = _simulated is not None
+        if _simulated is not None:
+            # Interpreter tests: ranks simulated in one process, segments are plain tensors.
+            self.rank, segments = _simulated
+            self.world_size = len(segments)
+        else:
+            self.rank = dist.get_rank(group)
+            self.world_size = dist.get_world_size(group)
+        self.max_tokens = max_tokens_per_rank
+        self.hidden = hidden_size
+        self.top_k = top_k
+        self.dtype = dtype
+        self.placement = placement
+        self.replicated = replicated_tokens
+        self.timeout_s = timeout_s
+        self.return_mode = "pull" if replicated_tokens else return_mode
+        self.sync_check = sync_check
+        self.interpret = _interpreting()
+        self.max_spins = _max_spins if _max_spins is not None else (2**62 if not self.interpret else 10_000)
+        self.sources = 1 if replicated_tokens else self.world_size
+        elem = torch.tensor([], dtype=dtype).element_size()
+        self.layout = lay = _Layout(self.world_size, self.sources, max_tokens_per_rank, hidden_size, top_k, elem)
+
+        if _simulated is not None:
+            self.device = segments[self.rank].device
+            self.buffer = segments[self.rank]
+            ptrs = [int(s.data_ptr()) for s in segments]
+            self._handle = None
+        else:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            self.device = torch.device("cuda", torch.cuda.current_device())
+            name = (group or dist.group.WORLD).group_name
+            if hasattr(symm_mem, "enable_symm_mem_for_group"):
+                try:
+                    symm_mem.enable_symm_mem_for_group(name)
+                except Exception:  # noqa: BLE001 - deprecated / already enabled in newer torch
+                    pass
+            self.buffer = symm_mem.empty(lay.total, dtype=torch.uint8, device=self.device)
+            self._handle = symm_mem.rendezvous(self.buffer, name)
+            ptrs = [int(p) for p in self._handle.buffer_ptrs]
+        if len(self.buffer) < lay.total:
+            raise ValueError(f"segment of {len(self.buffer)} bytes, need {lay.total}")
+
+        def table(offset):
+            return torch.tensor([p + offset for p in ptrs], dtype=torch.int64, device=self.device)
+
+        def view(offset, count, vdtype):
+            nbytes = count * torch.tensor([], dtype=vdtype).element_size()
+            return self.buffer[offset : offset + nbytes].view(vdtype)
+
+        S, T, K, H = self.sources, max_tokens_per_rank, top_k, hidden_size
+        self.flags = view(lay.flags, NUM_SLOTS * self.world_size, torch.int32)
+        self.seg_n = view(lay.n, 1, torch.int32)
+        self.seg_ids = view(lay.ids, T * K, torch.int32)
+        self.seg_x = view(lay.x, T * H, dtype)
+        self.seg_y = view(lay.y, S * T * K * H, dtype)
+        self.seg_ret = view(lay.ret, T * K * H, dtype)
+        self.flag_tab = table(lay.flags)
+        if replicated_tokens:
+            me = ptrs[self.rank]
+            self.n_tab = torch.tensor([me + lay.n], dtype=torch.int64, device=self.device)
+            self.ids_tab = torch.tensor([me + lay.ids], dtype=torch.int64, device=self.device)
+            self.x_tab = torch.tensor([me + lay.x], dtype=torch.int64, device=self.device)
+        else:
+            self.n_tab, self.ids_tab, self.x_tab = table(lay.n), table(lay.ids), table(lay.x)
+        self.y_tab = table(lay.y)
+        self.ret_tab = table(lay.ret)
+
+        self.expert_map = placement.expert_map(self.rank).to(torch.int32).to(self.device)
+        self.owner = placement.owner.to(torch.int32).to(self.device)
+        self.num_global = int(placement.owner.numel())
+        self.state = torch.zeros(STATE_WORDS, dtype=torch.int64, device=self.device)
+        pin = self.device.type == "cuda"
+        self._err_host = torch.zeros(STATE_WORDS, dtype=torch.int64, pin_memory=pin)
+        self.all_ids = torch.empty(S * T, K, dtype=torch.int32, device=self.device)
+        self.xl = torch.empty(S * T, H, dtype=dtype, device=self.device)
+        self.counts = self.sorted_rows = self.act = None
+        self.epoch = 0  # host mirror of eager calls, for naming the layer in errors
+        self._layers: dict[int, str] = {}
+
+        self.flags.zero_()
+        self.seg_n.zero_()
+        if _simulated is None:
+            torch.cuda.synchronize(self.device)
+            dist.barrier(group=group)
+
+    # ------------------------------------------------------------------ errors
+
+    def _raise_if_error(self, words) -> None:
+        code = int(words[ST_ERR])
+        if code:
+            slot, peer, epoch = code - 1, int(words[ST_ERR_PEER]), int(words[ST_ERR_EPOCH])
+            layer = self._layers.get(epoch, "?")
+            raise PeerTimeoutError(
+                f"kittens EP rank {self.rank}: rank {peer} did not {WHAT.get(slot, 'answer')} within "
+                f"{self.timeout_s:g} s (layer {layer}, call {epoch}); the workspace is unusable now"
+            )
+
+    def check_errors(self) -> None:
+        """Synchronise and raise ``PeerTimeoutError`` if any wait of any earlier call timed out."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._raise_if_error(self.state.cpu())
+
+    def wait_ns(self) -> tuple[int, int]:
+        """Device time (ns) the last call spent in its POSTED and COMPUTED waits (synchronises)."""
+        s = self.state.cpu()
+        return int(s[ST_WAIT + POSTED]), int(s[ST_WAIT + COMPUTED])
+
+    def close(self) -> None:
+        self.buffer = self._handle = None
+        self.seg_x = self.seg_y = self.seg_ret = self.seg_ids = self.seg_n = self.flags = None
+
+    # ------------------------------------------------------------------ the call
+
+    def _ensure_rows(self, inter: int, num_local: int):
+        rows = self.sources * self.max_tokens * self.top_k
+        if self.act is None or self.act.shape[1] != inter or self.counts.numel() != num_local:
+            self.counts = torch.empty(max(num_local, 1), dtype=torch.int32, device=self.device)
+            self.sorted_rows = torch.empty(rows, dtype=torch.int32, device=self.device)
+            self.act = torch.empty(rows, inter, dtype=self.dtype, device=self.device)
+        return rows
+
+    def fused_moe(
+        self,
+        hidden_states: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        *,
+        layer: str = "?",
+    ) -> torch.Tensor:
+        """This rank's tokens through the experts of every rank: ``[T, H]``, as ``fused_moe``."""
+        out = None
+        for stage in self.stages(hidden_states, w13, w2, topk_weights, topk_ids, layer=layer):
+            out = stage()
+        return out
+
+    def stages(self, hidden_states, w13, w2, topk_weights, topk_ids, *, layer: str = "?"):
+        """The call as a list of launch steps (``fused_moe`` runs them in order; the interpreter
+        tests run step i on every simulated rank before step i + 1). The last returns the output."""
+        self._raise_if_error(self._err_host)
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        expert_map = self.expert_map
+        check_fused_moe_args(
+            hidden_states, w13, w2, topk_weights, topk_ids, expert_map, "silu",
+            check_values=self.sync_check and not capturing,
+        )
+        tokens = hidden_states.shape[0]
+        if tokens > self.max_tokens or hidden_states.shape[1] != self.hidden or topk_ids.shape[1] != self.top_k:
+            raise ValueError(
+                f"kittens EP workspace holds up to {self.max_tokens} tokens of hidden size {self.hidden} "
+                f"with top-{self.top_k}; got {tuple(hidden_states.shape)} with top-{topk_ids.shape[1]}"
+            )
+        if hidden_states.dtype != self.dtype:
+            raise ValueError(f"kittens EP workspace is for {self.dtype}, got {hidden_states.dtype}")
+        if not capturing:
+            self.epoch += 1
+            self._layers[self.epoch] = layer
+            self._layers.pop(self.epoch - 64, None)
+
+        S, T, K, H = self.sources, self.max_tokens, self.top_k, self.hidden
+        num_local, two_i, _ = w13.shape
+        inter = two_i // 2
+        rows_cap = self._ensure_rows(inter, num_local)
+        dev = self.device
+        interpret = self.interpret
+        use_timer = not interpret
+        timeout_ns = int(self.timeout_s * 1e9)
+        k_pad = max(2, triton.next_power_of_2(K))
+        out = torch.empty((tokens, H), dtype=self.dtype, device=dev)
+        dot_ieee = self.dtype == torch.float32 or interpret
+        push = self.return_mode == "push"
+
+        def post():
+            bt = 4
+            _ep_post_kernel[(max(triton.cdiv(tokens, bt), 1),)](
+                hidden_states, topk_ids, self.seg_x, self.seg_ids, self.seg_n, tokens, H,
+                hidden_states.stride(0), hidden_states.stride(1), topk_ids.stride(0), topk_ids.stride(1),
+                TOPK=K, K_PAD=k_pad, BT=bt, BLOCK_H=min(1024, triton.next_power_of_2(H)), COPY_X=True,
+                num_warps=4,
+            )
+
+        def sync(slot, signal=True, wait=True):
+            def run():
+                _ep_sync_kernel[(1,)](
+                    self.flags, self.flag_tab, self.state, slot, self.rank, self.world_size,
+                    timeout_ns, self.max_spins, BUMP_EPOCH=slot == POSTED and signal, USE_TIMER=use_timer,
+                    SIGNAL=signal, WAIT=wait, num_warps=1,
+                )
+            return run
+
+        def gather():
+            bt = 4
+            _ep_gather_kernel[(S, triton.cdiv(T, bt))](
+                self.n_tab, self.ids_tab, self.x_tab, self.all_ids, self.xl, expert_map,
+                T, H, self.num_global, num_local,
+                TOPK=K, K_PAD=k_pad, BT=bt, BLOCK_H=min(1024, triton.next_power_of_2(H)), num_warps=4,
+            )
+
+        def schedule():
+            if num_local == 0:
+                return
+            _moe_schedule_kernel[(num_local,)](
+                self.all_ids, expert_map, self.counts, self.sorted_rows,
+                rows_cap, self.num_global, num_local, K, 1,
+                TOPK=K, HAS_MAP=True, BLOCK=4096 if rows_cap > 2048 else 256 if rows_cap <= 256 else 1024,
+                num_warps=8 if rows_cap > 2048 else 4,
+            )
+
+        g1, g2 = pick_configs(max(tokens, 1), K, max(num_local, 1), H, inter)
+        g1, g2 = dict(g1), dict(g2)
+        g1.setdefault("GU_FUSED", False)
+        g1.setdefault("GROUP_M", 1)
+        g2.setdefault("GROUP_M", 1)
+        for g in (g1, g2):
+            g["USE_TMA"] = bool(g.get("USE_TMA", False)) and not interpret and dev.type == "cuda" and self.dtype != torch.float32
+        e_pad = max(16, triton.next_power_of_2(max(num_local, 1)))
+
+        def gemms():
+            if num_local == 0 or inter == 0:
+                return
+            bm1, bn1 = g1["BLOCK_M"], g1["BLOCK_N"]
+            w13_desc = w13
+            if g1["USE_TMA"]:
+                if w13.is_contiguous() and not g1["GU_FUSED"]:
+                    w13_desc = _descriptor(w13.view(num_local * two_i, H), [bn1, g1["BLOCK_K"]])
+                else:
+                    g1["USE_TMA"] = False
+            num_m1 = _max_row_tiles(rows_cap, num_local, bm1)
+            _moe_gemm1_kernel[(num_m1 * triton.cdiv(inter, bn1),)](
+                self.xl, w13, w13_desc, self.act, self.sorted_rows, self.counts,
+                num_local, H, inter, num_m1,
+                self.xl.stride(0), self.xl.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
+                TOPK=K, E_PAD=e_pad,
+                EVEN_K=H % g1["BLOCK_K"] == 0, EVEN_N=inter % bn1 == 0, DOT_IEEE=dot_ieee, DOT_F32=interpret,
+                **g1,
+            )
+            bm2, bn2 = g2["BLOCK_M"], g2["BLOCK_N"]
+            w2_desc = w2
+            if g2["USE_TMA"]:
+                if w2.is_contiguous():
+                    w2_desc = _descriptor(w2.view(num_local * H, inter), [bn2, g2["BLOCK_K"]])
+                else:
+                    g2["USE_TMA"] = False
+            num_m2 = _max_row_tiles(rows_cap, num_local, bm2)
+            grid2 = (num_m2 * triton.cdiv(H, bn2),)
+            common = dict(E_PAD=e_pad, EVEN_K=inter % g2["BLOCK_K"] == 0, EVEN_N=H % bn2 == 0,
+                          DOT_IEEE=dot_ieee, DOT_F32=interpret, **g2)
+            if push:
+                _ep_gemm2_push_kernel[grid2](
+                    self.act, w2, w2_desc, self.seg_ret, self.ret_tab, self.sorted_rows, self.counts,
+                    num_local, H, inter, num_m2, self.rank, T * K,
+                    w2.stride(0), w2.stride(1), w2.stride(2), ELEM_BYTES=self.seg_ret.element_size(), **common,
+                )
+            else:
+                _moe_gemm2_kernel[grid2](
+                    self.act, w2, w2_desc, self.seg_y, self.sorted_rows, self.counts,
+                    num_local, H, inter, num_m2,
+                    w2.stride(0), w2.stride(1), w2.stride(2), **common,
+                )
+
+        def combine():
+            if tokens:
+                block_h = min(1024, max(16, triton.next_power_of_2(H)))
+                src_row0 = 0 if (self.replicated or push) else self.rank * T * K
+                _ep_combine_kernel[(tokens, triton.cdiv(H, block_h))](
+                    self.y_tab, self.seg_ret, out, topk_ids, topk_weights, self.owner,
+                    H, self.num_global, src_row0,
+                    topk_ids.stride(0), topk_ids.stride(1), topk_weights.stride(0), topk_weights.stride(1),
+                    out.stride(0),
+                    TOPK=K, PULL=not push, BLOCK_H=block_h, RNE_FIX=interpret, num_warps=4,
+                )
+            if not capturing and dev.type == "cuda":
+                self._err_host.copy_(self.state, non_blocking=True)
+            if self.sync_check:
+                self.check_errors()
+            elif dev.type != "cuda":
+                self._err_host.copy_(self.state)
+            return out
+
+        if self.simulated:  # signal and wait as separate steps, so simulated ranks can interleave
+            return [post, sync(POSTED, wait=False), sync(POSTED, signal=False), gather, schedule, gemms,
+                    sync(COMPUTED, wait=False), sync(COMPUTED, signal=False), combine]
+        return [post, sync(POSTED), gather, schedule, gemms, sync(COMPUTED), combine]
