@@ -1,0 +1,433 @@
+"""Expert-parallel MoE layer benchmark on N GPUs: kittens EP (pull and push return) against NCCL
+baselines and the floor. Spawns one process per GPU (NCCL group, NVLink multicast off).
+
+Per model shape of ``configs/model_shapes.json``, tokens per rank and routing (uniform, or skewed:
+half of all (token, k) assignments to expert 0), in the same run:
+
+- kittens-pull / kittens-push: ``SymmetricMemoryEPWorkspace.fused_moe`` (workspace sized to the
+  row's tokens per rank), captured in a CUDA graph;
+- a2a: NCCL ``all_to_all_single`` of every (token, k) row (split sizes exchanged first: a host
+  sync), argsort, ``torch._grouped_mm`` x2, ``all_to_all_single`` back, fp32 weighted sum;
+- agrs: all-gather tokens, local experts (grouped_mm) over the gathered rows they own,
+  reduce-scatter (vLLM's ``allgather_reducescatter``).
+
+Time = median over iterations of the max across ranks (each iteration starts after a barrier).
+Floor = max over ranks of max(FLOPs / 790e12, HBM bytes / 4.4e12, NVLink bytes in / 3.3e11), with
+HBM bytes = local experts touched x 3*H*I*2 + activations, NVLink bytes in = token rows pulled
+(each (source, token) once) + results returned to this rank. Achieved NVLink GB/s = that over the
+kittens time. Also the device time each kittens variant spends waiting for the COMPUTED
+(completion) flags, measured in the wait kernel with %globaltimer.
+
+``python -m mok_serve.loadtest.ep_bench --shapes Qwen3-30B-A3B --tokens 1 128 --out results/ep``
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import pathlib
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+PEAK_FLOPS, PEAK_HBM, PEAK_NVLINK = 790e12, 4.4e12, 3.3e11
+TOKENS = (1, 32, 128, 512, 2048, 8192)
+ROUTINGS = ("uniform", "skewed")
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ[_k] = _v
+
+
+def load_shapes():
+    from .layer_bench import load_shapes as ls
+
+    return ls()
+
+
+# ---------------------------------------------------------------------------------- baselines
+
+
+def _grouped_experts(xr, lid, w13, w2):
+    """Rows ``xr`` through local experts ``lid`` (-1: skip, output zero) with torch._grouped_mm."""
+    import torch.nn.functional as F
+
+    E = w13.shape[0]
+    key = torch.where(lid >= 0, lid, E)
+    order = torch.argsort(key, stable=True)
+    counts = torch.histc(key.int() if key.is_cuda else key.float(), bins=E + 1, min=0, max=E)
+    offs = torch.cumsum(counts[:E], 0, dtype=torch.int32)
+    xs = xr[order]
+    gu = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)
+    gate, up = gu.chunk(2, dim=-1)
+    act = (F.silu(gate.float()) * up.float()).to(xr.dtype)
+    ys = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)
+    ys = torch.where((key[order] < E).unsqueeze(1), ys, torch.zeros((), dtype=ys.dtype, device=ys.device))
+    y = torch.empty_like(ys)
+    y[order] = ys
+    return y
+
+
+def a2a_moe(x, ids, tw, w13, w2, owner, local, world, group):
+    import torch.distributed as dist
+
+    T, K = ids.shape
+    H = x.shape[1]
+    flat = ids.reshape(-1).long()
+    dest = owner[flat].long()
+    order = torch.argsort(dest, stable=True)
+    send_counts = torch.bincount(dest, minlength=world)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    sc, rc = send_counts.tolist(), recv_counts.tolist()
+    send_x = x[order // K]
+    send_e = local[flat[order]].to(torch.int32)
+    recv_x = x.new_empty(sum(rc), H)
+    recv_e = send_e.new_empty(sum(rc))
+    dist.all_to_all_single(recv_x, send_x, rc, sc, group=group)
+    dist.all_to_all_single(recv_e, send_e, rc, sc, group=group)
+    y = _grouped_experts(recv_x, recv_e.long(), w13, w2) if sum(rc) else recv_x
+    back = x.new_empty(T * K, H)
+    dist.all_to_all_single(back, y, sc, rc, group=group)
+    res = torch.empty_like(back)
+    res[order] = back
+    out = (res.view(T, K, H).float() * tw.float().unsqueeze(-1)).sum(1)
+    return out.to(x.dtype)
+
+
+def agrs_moe(x, ids, tw, w13, w2, emap, world, group):
+    import torch.distributed as dist
+
+    T, K = ids.shape
+    H = x.shape[1]
+    gx = x.new_empty(world * T, H)
+    gids = ids.new_empty(world * T, K)
+    gw = tw.new_empty(world * T, K)
+    dist.all_gather_into_tensor(gx, x.contiguous(), group=group)
+    dist.all_gather_into_tensor(gids, ids.contiguous(), group=group)
+    dist.all_gather_into_tensor(gw, tw.contiguous(), group=group)
+    lid = emap[gids.reshape(-1).long()].long()
+    tok = torch.arange(world * T * K, device=x.device) // K
+    y = _grouped_experts(gx[tok], lid, w13, w2)
+    part = torch.zeros(world * T, H, device=x.device, dtype=torch.float32)
+    part.index_add_(0, tok, y.float() * gw.reshape(-1, 1).float())
+    out = x.new_empty(T, H)
+    dist.reduce_scatter_tensor(out, part.to(x.dtype), group=group)
+    return out
+
+
+# ---------------------------------------------------------------------------------- timing
+
+
+def timed(fn, iters, group, extra=None):
+    """Per-iteration ms on this rank (each iteration after a barrier)."""
+    import torch.distributed as dist
+
+    times, extras = [], []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(iters):
+        dist.barrier(group=group)
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+        if extra is not None:
+            extras.append(extra())
+    return times, extras
+
+
+def as_graph(fn):
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return g
+
+
+def floor_terms(all_ids, owner, world, T, H, I, K):
+    """Per rank: flops, HBM bytes, NVLink bytes in (pull design's minimal traffic)."""
+    ids = all_ids.view(world, T, K).long()
+    own = owner[ids].long()  # [world, T, K]
+    terms = []
+    for r in range(world):
+        rows = int((own == r).sum())
+        touched = int(torch.unique(ids[own == r]).numel()) if rows else 0
+        pulled = sum(int((own[s] == r).any(dim=1).sum()) for s in range(world) if s != r)
+        returned = int((own[r] != r).sum())
+        flops = 6.0 * rows * H * I
+        hbm = touched * 3 * H * I * 2 + 2 * T * H * 2 + (pulled + returned) * H * 2
+        nv = (pulled + returned) * H * 2
+        terms.append(dict(rows=rows, touched=touched, flops=flops, hbm=hbm, nvlink=nv,
+                          floor_ms=max(flops / PEAK_FLOPS, hbm / PEAK_HBM, nv / PEAK_NVLINK) * 1e3))
+    return terms
+
+
+# ---------------------------------------------------------------------------------- ranks
+
+
+def rank_main(rank, world, port, args, queue):
+    import torch.distributed as dist
+
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+        rows = run_rank(rank, world, args)
+        queue.put((rank, None, rows))
+    except BaseException:
+        queue.put((rank, traceback.format_exc(), None))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_rank(rank, world, args):
+    import torch.distributed as dist
+
+    from mok_serve.kernels.ep_cuda import ExpertPlacement, SymmetricMemoryEPWorkspace
+
+    group = dist.group.WORLD
+    shapes = load_shapes()
+    deadline = time.monotonic() + args.deadline_s
+    out_rows = []
+    log = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
+    for name in args.shapes:
+        s = shapes[name]
+        E, H, I, K = s["routed_experts"], s["hidden"], s["moe_intermediate"], s["top_k"]
+        placement = ExpertPlacement.linear(E, world)
+        owner = placement.owner.cuda().long()
+        local = placement.local.cuda().long()
+        emap = placement.expert_map(rank).cuda().long()
+        gen = torch.Generator(device="cuda").manual_seed(args.seed + rank)
+        El = E // world
+        w13 = torch.randn(El, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen) / H**0.5
+        w2 = torch.randn(El, H, I, device="cuda", dtype=torch.bfloat16, generator=gen) / I**0.5
+        for T in args.tokens:
+            for routing in args.routings:
+                stop = torch.tensor([float(time.monotonic() > deadline)], device="cuda")
+                dist.all_reduce(stop, group=group)
+                if stop.item() > 0:
+                    log(f"deadline reached; skipping {name} T={T} {routing} and later rows")
+                    return out_rows
+                g2 = torch.Generator(device="cuda").manual_seed(args.seed * 7 + T * 13 + rank + (routing == "skewed"))
+                x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g2)
+                ids = torch.rand(T, E, device="cuda", generator=g2).argsort(dim=1)[:, :K]
+                if routing == "skewed":
+                    flat = ids.reshape(-1)
+                    pick = torch.randperm(flat.numel(), device="cuda", generator=g2)[: flat.numel() // 2]
+                    flat[pick] = 0
+                ids = ids.to(torch.int32)
+                tw = torch.rand(T, K, device="cuda", generator=g2)
+                tw = tw / tw.sum(-1, keepdim=True)
+                all_ids = ids.new_empty(world * T, K)
+                dist.all_gather_into_tensor(all_ids, ids, group=group)
+                terms = floor_terms(all_ids.cpu(), placement.owner, world, T, H, I, K)
+                row = dict(shape=name, world=world, tokens=T, routing=routing, experts=E, hidden=H, inter=I, top_k=K)
+                try:
+                    ws = SymmetricMemoryEPWorkspace(
+                        group, max_tokens_per_rank=T, hidden_size=H, top_k=K, dtype=torch.bfloat16,
+                        placement=placement, timeout_s=args.timeout_s,
+                    )
+                    impls = {}
+                    res = {}
+                    for mode in ("pull", "push"):
+                        ws.return_mode = mode
+                        res[mode] = ws.fused_moe(x, w13, w2, tw, ids)
+                    base_ok = True
+                    try:
+                        res["a2a"] = a2a_moe(x, ids, tw, w13, w2, owner, local, world, group)
+                        res["agrs"] = agrs_moe(x, ids, tw, w13, w2, emap, world, group)
+                    except Exception:  # noqa: BLE001
+                        base_ok = False
+                        row["baseline_error"] = traceback.format_exc()[-1500:]
+                        log(row["baseline_error"])
+                        res["a2a"] = res["agrs"] = res["pull"]
+                    torch.cuda.synchronize()
+                    ws.check_errors()
+                    ref = res["a2a"].float()
+                    errs = {k: ((v.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item() for k, v in res.items()}
+                    errs["pull_eq_push"] = bool(torch.equal(res["pull"], res["push"]))
+                    times, waits = {}, {}
+                    for mode in ("pull", "push"):
+                        ws.return_mode = mode
+                        try:
+                            gr = as_graph(lambda: ws.fused_moe(x, w13, w2, tw, ids))
+                            fn, how = gr.replay, "graph"
+                        except Exception as exc:  # noqa: BLE001
+                            log(f"  capture failed ({type(exc).__name__}: {exc}); eager")
+                            fn, how = (lambda: ws.fused_moe(x, w13, w2, tw, ids)), "eager"
+                        fn()
+                        t, w = timed(fn, args.iters, group, extra=ws.wait_ns)
+                        times[f"kittens_{mode}"] = t
+                        waits[mode] = [c for _, c in w]
+                        impls[f"kittens_{mode}"] = how
+                        del fn
+                        gr = None
+                    ws.check_errors()
+                    for nm, fn in (("a2a", lambda: a2a_moe(x, ids, tw, w13, w2, owner, local, world, group)),
+                                   ("agrs", lambda: agrs_moe(x, ids, tw, w13, w2, emap, world, group))):
+                        if not base_ok:
+                            times[nm] = [float("nan")] * args.iters
+                            continue
+                        fn()
+                        times[nm], _ = timed(fn, args.iters, group)
+                    row.update(errs=errs, times=times, waits_ns=waits, terms=terms, timing=impls)
+                except Exception:  # noqa: BLE001
+                    row["error"] = traceback.format_exc()[-2000:]
+                    log(f"{name} T={T} {routing}: FAILED\n{row['error']}")
+                ws = None
+                gc.collect()
+                torch.cuda.empty_cache()
+                # Aggregate across ranks on rank 0.
+                gathered = [None] * world
+                dist.all_gather_object(gathered, row, group=group)
+                if rank == 0:
+                    out_rows.append(summarize(gathered))
+                    log(format_row(out_rows[-1]))
+        del w13, w2
+        gc.collect()
+        torch.cuda.empty_cache()
+    return out_rows
+
+
+def summarize(per_rank):
+    r0 = per_rank[0]
+    row = {k: r0[k] for k in ("shape", "world", "tokens", "routing", "experts", "hidden", "inter", "top_k")}
+    errors = [r.get("error") for r in per_rank if r.get("error")]
+    if errors:
+        row["error"] = errors[0]
+        return row
+    names = list(r0["times"])
+    iters = len(r0["times"][names[0]])
+    ms = {}
+    for n in names:
+        per_iter = [max(r["times"][n][i] for r in per_rank) for i in range(iters)]
+        ms[n] = statistics.median(per_iter)
+    row["ms"] = ms
+    terms = r0["terms"]
+    row["floor_ms"] = max(t["floor_ms"] for t in terms)
+    row["nvlink_bytes_max"] = max(t["nvlink"] for t in terms)
+    row["rows_per_rank"] = [t["rows"] for t in terms]
+    bound_t = max(terms, key=lambda t: t["floor_ms"])
+    row["bound"] = max((("compute", bound_t["flops"] / PEAK_FLOPS), ("hbm", bound_t["hbm"] / PEAK_HBM),
+                        ("nvlink", bound_t["nvlink"] / PEAK_NVLINK)), key=lambda p: p[1])[0]
+    row["wait_us"] = {m: statistics.median([max(r["waits_ns"][m][i] for r in per_rank) for i in range(iters)]) / 1e3
+                      for m in r0["waits_ns"]}
+    row["rel_err_vs_a2a"] = {k: max(r["errs"][k] for r in per_rank) for k in r0["errs"] if k != "pull_eq_push"}
+    row["pull_eq_push"] = all(r["errs"]["pull_eq_push"] for r in per_rank)
+    best_k = min(ms["kittens_pull"], ms["kittens_push"])
+    row["default"] = "pull" if ms["kittens_pull"] <= ms["kittens_push"] else "push"
+    row["kittens_ms"] = ms["kittens_pull"]
+    row["best_baseline_ms"] = min(ms["a2a"], ms["agrs"])
+    row["ratio_to_floor"] = row["kittens_ms"] / row["floor_ms"]
+    row["speedup_vs_best_baseline"] = row["best_baseline_ms"] / row["kittens_ms"]
+    row["best_kittens_ms"] = best_k
+    row["nvlink_GBps"] = row["nvlink_bytes_max"] / (row["kittens_ms"] * 1e-3) / 1e9
+    ok = row["rel_err_vs_a2a"]["pull"] <= 2e-2 and row["pull_eq_push"]
+    if row["tokens"] >= 128:
+        target = "<= 1.25x floor"
+        ok = ok and row["ratio_to_floor"] <= 1.25
+    else:
+        target = ">= 2x best baseline"
+        ok = ok and row["speedup_vs_best_baseline"] >= 2.0
+    ok = ok and row["speedup_vs_best_baseline"] >= 1.0
+    row["target"], row["target_met"] = target, ok
+    return row
+
+
+def format_row(r):
+    if "error" in r:
+        return f"{r['shape']:16s} T={r['tokens']:5d} {r['routing']:7s} ERROR"
+    ms = r["ms"]
+    return (f"{r['shape']:16s} T={r['tokens']:5d} {r['routing']:7s} pull {ms['kittens_pull']:8.3f} push "
+            f"{ms['kittens_push']:8.3f} ms floor {r['floor_ms']:7.3f} ({r['bound']:7s}) x{r['ratio_to_floor']:5.2f} "
+            f"a2a {ms['a2a']:8.3f} agrs {ms['agrs']:8.3f} best/k x{r['speedup_vs_best_baseline']:5.2f} "
+            f"NVL {r['nvlink_GBps']:6.1f} GB/s wait(C) pull {r['wait_us']['pull']:7.1f} push {r['wait_us']['push']:7.1f} us "
+            f"err {r['rel_err_vs_a2a']['pull']:.1e} {'OK' if r['target_met'] else 'MISS ' + r['target']}")
+
+
+def markdown(rows, meta):
+    out = [f"# Expert-parallel layer benchmark ({meta['world']} x {meta['gpu']}, commit {meta['commit']})", "",
+           "Time: median over iterations of the max across ranks, ms. Floor = max over ranks of max(FLOPs/790e12, "
+           "HBM bytes/4.4e12, NVLink bytes in/3.3e11). kittens = pull return (default). wait(C): device time "
+           "in the wait for the completion (COMPUTED) flags, median of the max across ranks.", "",
+           "| shape | tokens/rank | routing | kittens pull | kittens push | a2a | agrs | floor (bound) | x floor | "
+           "best baseline / kittens | NVLink GB/s | wait(C) pull us | wait(C) push us | target |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['shape']} | {r['tokens']} | {r['routing']} | error | | | | | | | | | | |")
+            continue
+        ms = r["ms"]
+        out.append(
+            f"| {r['shape']} | {r['tokens']} | {r['routing']} | {ms['kittens_pull']:.3f} | {ms['kittens_push']:.3f} | "
+            f"{ms['a2a']:.3f} | {ms['agrs']:.3f} | {r['floor_ms']:.3f} ({r['bound']}) | {r['ratio_to_floor']:.2f} | "
+            f"{r['speedup_vs_best_baseline']:.2f} | {r['nvlink_GBps']:.1f} | {r['wait_us']['pull']:.1f} | "
+            f"{r['wait_us']['push']:.1f} | {'met' if r['target_met'] else 'MISS ' + r['target']} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--world", type=int, default=torch.cuda.device_count())
+    p.add_argument("--shapes", nargs="*", default=None)
+    p.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS))
+    p.add_argument("--routings", nargs="*", default=list(ROUTINGS))
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout-s", type=float, default=30.0)
+    p.add_argument("--deadline-s", type=float, default=1e9, help="stop starting new rows after this")
+    p.add_argument("--out", default=str(RESULTS / "ep_bench"))
+    args = p.parse_args(argv)
+    args.shapes = args.shapes or list(load_shapes())
+    import multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=rank_main, args=(r, args.world, port, args, queue)) for r in range(args.world)]
+    for pr in procs:
+        pr.start()
+    rows, errors = None, []
+    for _ in range(args.world):
+        rank, err, got = queue.get()
+        if err:
+            errors.append(f"rank {rank}:\n{err}")
+        if rank == 0:
+            rows = got
+    for pr in procs:
+        pr.join(60)
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=pathlib.Path(__file__).parent).stdout.strip() or "?"
+    except Exception:  # noqa: BLE001
+        commit = "?"
+    meta = dict(world=args.world, gpu=torch.cuda.get_device_name(0), commit=os.environ.get("MOK_COMMIT", commit),
+                torch=torch.__version__, time=time.strftime("%Y-%m-%d %H:%M:%S"))
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if rows is not None:
+        out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+        md = markdown(rows, meta)
+        out.with_suffix(".md").write_text(md)
+        print(md)
+    for e in errors:
+        print(e, file=sys.stderr)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
