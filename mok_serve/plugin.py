@@ -31,7 +31,7 @@ def _reject_quantized_models() -> None:
     """Fail at start-up, in the API server, when kittens is asked to run a quantized model."""
     from vllm.config.kernel import KernelConfig
 
-    from mok_serve.vllm.experts import KITTENS
+    from mok_serve.vllm import KITTENS
 
     stock_set_platform_defaults = KernelConfig.set_platform_defaults
 
@@ -48,15 +48,31 @@ def _reject_quantized_models() -> None:
     KernelConfig.set_platform_defaults = set_platform_defaults
 
 
+def _bind_all2all_for_kittens() -> None:
+    """Under expert parallelism kittens dispatches and combines itself (expert_parallel.py)."""
+    from vllm.config import kernel as kernel_config
+
+    from mok_serve.vllm.expert_parallel import bind_all2all_backend
+
+    stock_bind = kernel_config.bind_passthrough_all2all_backend
+
+    def bind(moe_backend, parallel_config):
+        bind_all2all_backend(moe_backend, parallel_config, stock_bind)
+
+    kernel_config.bind_passthrough_all2all_backend = bind
+
+
 def register() -> None:
     global _registered
     if _registered:
         return
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
-    from mok_serve.vllm.experts import KITTENS, KittensFusedMoEMethod
+    from mok_serve.vllm import KITTENS
+    from mok_serve.vllm.experts import KittensFusedMoEMethod
 
     _add_moe_backend_choice(KITTENS)
     _reject_quantized_models()
+    _bind_all2all_for_kittens()
     UnquantizedFusedMoEMethod.register_oot(KittensFusedMoEMethod)
     _registered = True

@@ -83,7 +83,11 @@ def test_tensor_parallel_2_expert_parallel_equals_tp1(kittens_server):
     expected = greedy_all(kittens_server)
     with ServerProcess(["--tensor-parallel-size", "2", "--enable-expert-parallel", *COMMON]) as tp2:
         assert greedy_all(tp2) == expected
-        assert "Using KittensExperts MoE backend" in tp2.log()
+        log = tp2.log()
+        assert "Using KittensExperts MoE backend" in log
+        # kittens owns dispatch and combine: vLLM's passthrough all-to-all, our shared-memory pull.
+        assert "Using PassThroughPrepareAndFinalize" in log
+        assert "kittens EP: rank 0 of 2 dispatches and combines over shared memory (replicated tokens)" in log
 
 
 def test_quantized_model_fails_at_start_up():

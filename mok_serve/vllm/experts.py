@@ -21,9 +21,9 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import QuantKey
 from vllm.platforms import current_platform
 
 from mok_serve.kernels import fused_moe
+from mok_serve.vllm import KITTENS, expert_parallel
 from mok_serve.vllm import timing
 
-KITTENS = "kittens"
 # vLLM configures handlers for its own logger tree only.
 logger = init_logger("vllm.mok_serve")
 
@@ -31,6 +31,15 @@ logger = init_logger("vllm.mok_serve")
 class KittensExperts(mk.FusedMoEExpertsModular):
     """Routed experts through ``mok_serve.kernels.fused_moe``: GEMMs, SiLU-mul and the fp32
     fixed-order top-k sum in one call, so the weight-and-reduce step after it is a no-op."""
+
+    def __init__(self, moe_config: FusedMoEConfig, quant_config):
+        super().__init__(moe_config, quant_config)
+        # With the passthrough all-to-all (bound for kittens by expert_parallel.py) vLLM leaves
+        # dispatch and combine to the experts; without data parallelism all ranks hold the same tokens.
+        parallel = moe_config.moe_parallel_config
+        self.owns_dispatch = parallel.use_passthrough_all2all
+        if self.owns_dispatch:
+            expert_parallel.configure(moe_config.max_num_tokens, replicated_tokens=parallel.dp_size == 1)
 
     @staticmethod
     def activation_format() -> mk.FusedMoEActivationFormat:
@@ -107,7 +116,10 @@ class KittensExperts(mk.FusedMoEExpertsModular):
         slot = getattr(self, "_kittens_timing_slot", None)
         if slot is not None:
             topk_ids = timing.mark(topk_ids, slot, timing.EXPERTS_BEGIN)
-        out = fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, expert_map=expert_map)
+        if self.owns_dispatch:
+            out = expert_parallel.ep_fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, expert_map)
+        else:
+            out = fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, expert_map=expert_map)
         if slot is not None:
             out = timing.mark(out, slot, timing.EXPERTS_END)
         output.copy_(out)

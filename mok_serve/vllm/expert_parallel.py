@@ -1,0 +1,102 @@
+"""Kittens' own dispatch and combine under vLLM expert parallelism.
+
+With ``--moe-backend kittens --enable-expert-parallel`` on the CPU, kittens binds vLLM's
+``passthrough`` all-to-all: vLLM then hands each rank's tokens straight to the experts and
+skips its own all-reduce, and the experts run ``SharedMemoryEPWorkspace`` (pull-based dispatch
+and fixed-order combine over shared memory between the worker processes) over vLLM's EP group.
+Under tensor parallelism without data parallelism every rank holds the same tokens, so the
+workspace runs in its replicated-tokens mode.
+
+On CUDA, kittens experts run under vLLM's own dispatch (the expert map masks the experts that
+live elsewhere) until the GPU workspace exists.
+"""
+
+import torch
+from vllm.config.kernel import PASSTHROUGH_ALL2ALL_BACKEND
+from vllm.distributed import get_ep_group
+from vllm.logger import init_logger
+from vllm.platforms import current_platform
+
+from mok_serve.kernels.ep_cpu import ExpertPlacement, SharedMemoryEPWorkspace
+from mok_serve.vllm import KITTENS
+
+logger = init_logger("vllm.mok_serve")
+
+DEFAULT_ALL2ALL = "allgather_reducescatter"
+
+
+def kittens_owns_dispatch(parallel_config) -> bool:
+    ranks = parallel_config.tensor_parallel_size * parallel_config.data_parallel_size
+    return current_platform.is_cpu() and parallel_config.enable_expert_parallel and ranks > 1
+
+
+def bind_all2all_backend(moe_backend: str, parallel_config, stock_bind) -> None:
+    """``vllm.config.kernel.bind_passthrough_all2all_backend`` with kittens added."""
+    if moe_backend != KITTENS:
+        stock_bind(moe_backend, parallel_config)
+        return
+    if not kittens_owns_dispatch(parallel_config):
+        return
+    a2a = parallel_config.all2all_backend
+    if a2a not in (DEFAULT_ALL2ALL, PASSTHROUGH_ALL2ALL_BACKEND):
+        raise ValueError(
+            f"--moe-backend kittens dispatches and combines itself under expert parallelism and "
+            f"cannot be paired with --all2all-backend {a2a}; leave --all2all-backend unset."
+        )
+    parallel_config.all2all_backend = PASSTHROUGH_ALL2ALL_BACKEND
+
+
+class _Workspace:
+    """One workspace per worker process, made at the first MoE call and shared by every layer."""
+
+    instance: SharedMemoryEPWorkspace | None = None
+    max_tokens: int = 0
+    replicated: bool = False
+
+
+def configure(max_tokens_per_rank: int, replicated_tokens: bool) -> None:
+    _Workspace.max_tokens = max(_Workspace.max_tokens, max_tokens_per_rank)
+    _Workspace.replicated = replicated_tokens
+
+
+def _workspace(hidden_states, topk_ids, expert_map) -> SharedMemoryEPWorkspace:
+    ws = _Workspace.instance
+    if ws is None:
+        group = get_ep_group()
+        maps = [torch.empty_like(expert_map, device="cpu") for _ in range(group.world_size)]
+        torch.distributed.all_gather(maps, expert_map.cpu().contiguous(), group=group.cpu_group)
+        ws = SharedMemoryEPWorkspace(
+            group.cpu_group,
+            max_tokens_per_rank=_Workspace.max_tokens,
+            hidden_size=hidden_states.shape[1],
+            top_k=topk_ids.shape[1],
+            dtype=hidden_states.dtype,
+            placement=ExpertPlacement.from_expert_maps(maps),
+            replicated_tokens=_Workspace.replicated,
+        )
+        _Workspace.instance = ws
+        logger.info(
+            "kittens EP: rank %d of %d dispatches and combines over shared memory (%s tokens)",
+            ws.rank, ws.world_size, "replicated" if ws.replicated else "per-rank",
+        )
+    elif not torch.equal(ws.placement.expert_map(ws.rank).to(expert_map.dtype), expert_map.cpu()):
+        raise ValueError("kittens EP: every MoE layer must use the same expert placement")
+    return ws
+
+
+@torch.library.custom_op("mok_serve::ep_fused_moe", mutates_args=())
+def ep_fused_moe(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor,
+) -> torch.Tensor:
+    ws = _workspace(hidden_states, topk_ids, expert_map)
+    return ws.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids)
+
+
+@ep_fused_moe.register_fake
+def _ep_fused_moe_shape(hidden_states, w13, w2, topk_weights, topk_ids, expert_map):
+    return torch.empty_like(hidden_states)
