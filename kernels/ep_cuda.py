@@ -378,10 +378,14 @@ class SymmetricMemoryEPWorkspace:
             self.device = torch.device("cuda", torch.cuda.current_device())
             name = (group or dist.group.WORLD).group_name
             if hasattr(symm_mem, "enable_symm_mem_for_group"):
-                try:
-                    symm_mem.enable_symm_mem_for_group(name)
-                except Exception:  # noqa: BLE001 - deprecated / already enabled in newer torch
-                    pass
+                import warnings
+
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # deprecated (a no-op) in newer torch
+                    try:
+                        symm_mem.enable_symm_mem_for_group(name)
+                    except Exception:  # noqa: BLE001
+                        pass
             self.buffer = symm_mem.empty(lay.total, dtype=torch.uint8, device=self.device)
             self._handle = symm_mem.rendezvous(self.buffer, name)
             ptrs = [int(p) for p in self._handle.buffer_ptrs]

@@ -215,6 +215,8 @@ def run_rank(rank, world, args):
         w2 = torch.randn(El, H, I, device="cuda", dtype=torch.bfloat16, generator=gen) / I**0.5
         for T in args.tokens:
             for routing in args.routings:
+                if routing == "skewed" and args.skewed_tokens is not None and T not in args.skewed_tokens:
+                    continue
                 stop = torch.tensor([float(time.monotonic() > deadline)], device="cuda")
                 dist.all_reduce(stop, group=group)
                 if stop.item() > 0:
@@ -384,6 +386,8 @@ def main(argv=None):
     p.add_argument("--shapes", nargs="*", default=None)
     p.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS))
     p.add_argument("--routings", nargs="*", default=list(ROUTINGS))
+    p.add_argument("--skewed-tokens", nargs="*", type=int, default=None,
+                   help="token counts that also run skewed routing (default: all)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=30.0)
