@@ -196,7 +196,8 @@ def layers_table(results: dict[str, Any], name: str) -> str | None:
     both = base is not None and cand is not None and {base["name"], cand["name"]} <= set(present)
     header = ["layer", "field", *present] + ([f"{cand['name']}/{base['name']}"] if both else [])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for (label, k), vals in table.items():
+    order = {key: i for i, key in enumerate(table)}
+    for (label, k), vals in sorted(table.items(), key=lambda kv: (kv[0][0], order[kv[0]])):
         row = [label, k] + [fmt(vals.get(n), "{:.4g}") for n in present]
         if both:
             row.append(fmt_ratio(ratio(vals.get(cand["name"]), vals.get(base["name"]))))
@@ -321,10 +322,10 @@ def write_plots(results: dict[str, Any], folder: Path) -> list[Path]:
     for t in targets:
         xs, ys = series(t, ("output_throughput",), "concurrency")
         ax.plot(xs, ys, "o-", label=t["name"], color=colors[t["name"]])
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("max concurrency")
+    _concurrency_axis(ax, targets)
     ax.set_ylabel("output tokens/s")
     ax.set_title("Output tokens/s vs concurrency")
+    ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend()
     if has_rate:
@@ -335,6 +336,7 @@ def write_plots(results: dict[str, Any], folder: Path) -> list[Path]:
         ax.set_xlabel("request rate (Poisson, req/s)")
         ax.set_ylabel("output tokens/s")
         ax.set_title("Output tokens/s vs request rate")
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
@@ -351,8 +353,7 @@ def write_plots(results: dict[str, Any], folder: Path) -> list[Path]:
             for pct, ls in styles.items():
                 xs, ys = series(t, (metric, f"{pct}_ms"), "concurrency")
                 ax.plot(xs, ys, marker="o", linestyle=ls, color=colors[t["name"]], label=f"{t['name']} {pct}")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("max concurrency")
+        _concurrency_axis(ax, targets)
         ax.set_ylabel(f"{title} ms")
         ax.set_title(f"{title} percentiles vs concurrency")
         ax.grid(alpha=0.3)
@@ -363,41 +364,52 @@ def write_plots(results: dict[str, Any], folder: Path) -> list[Path]:
     plt.close(fig)
     plots.append(p)
 
-    # 3. per-layer MoE time, last run that has it, per target
-    per_target = {}
-    for t in targets:
-        for r in reversed(t.get("runs", [])):
-            parsed = ((r.get("layers") or {}).get("parsed"))
-            if parsed:
-                per_target[t["name"]] = (r["spec"]["name"], parsed)
-                break
-    if per_target:
-        from . import layers as layers_mod
+    # 3. per-layer MoE time: one panel per run, a bar per layer (and rank) and server
+    from . import layers as layers_mod
 
-        fig, ax = plt.subplots(figsize=(max(6, 1.2 * max(len(v[1]) for v in per_target.values()) + 3), 4.2))
-        width = 0.8 / len(per_target)
-        field_used = None
-        for j, (tname, (run_name, parsed)) in enumerate(per_target.items()):
-            key = layers_mod.headline_field(parsed)
-            if key is None:
-                continue
-            field_used = key
-            xs = [i + j * width for i in range(len(parsed))]
-            ax.bar(xs, [l["fields"][key] for l in parsed], width=width, label=f"{tname} ({run_name})",
-                   color=colors[tname])
+    panels = []
+    for name in run_names(results):
+        per_target = {}
+        for t in targets:
+            parsed = (((run_of(t, name) or {}).get("layers") or {}).get("parsed"))
+            if parsed and layers_mod.headline_field(parsed):
+                per_target[t["name"]] = parsed
+        if per_target:
+            panels.append((name, per_target))
+    if panels:
+        nl = max(len(p) for _, pt in panels for p in pt.values())
+        fig, axes = plt.subplots(1, len(panels), figsize=(max(4.0, 0.9 * nl + 2) * len(panels), 4.6), squeeze=False)
+        for ax, (name, per_target) in zip(axes[0], panels):
+            width = 0.8 / len(per_target)
+            for j, (tname, parsed) in enumerate(per_target.items()):
+                key = layers_mod.headline_field(parsed)
+                xs = [i + j * width for i in range(len(parsed))]
+                ax.bar(xs, [l["fields"][key] for l in parsed], width=width, label=tname, color=colors[tname])
+                ax.set_ylabel(key)
+            labels = [l["label"].replace(".mlp.experts", "").replace("model.layers.", "L") for l in parsed]
             ax.set_xticks([i + 0.4 - width / 2 for i in range(len(parsed))])
-            ax.set_xticklabels([l["label"] for l in parsed], rotation=30, ha="right", fontsize=8)
-        if field_used:
-            ax.set_ylabel(field_used)
-            ax.set_title("Per-layer MoE time (GET /v1/kittens/layers)")
-            ax.legend()
+            ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
+            ax.set_title(f"run {name}")
             ax.grid(alpha=0.3, axis="y")
-            fig.tight_layout()
-            p = folder / "layers.png"
-            fig.savefig(p, dpi=110)
-            plots.append(p)
+            ax.legend(fontsize=8)
+        fig.suptitle("Per-layer MoE time (GET /v1/kittens/layers)")
+        fig.tight_layout()
+        p = folder / "layers.png"
+        fig.savefig(p, dpi=110)
         plt.close(fig)
+        plots.append(p)
     return plots
+
+
+def _concurrency_axis(ax, targets) -> None:
+    values = sorted({r["spec"]["concurrency"] for t in targets for r in t.get("runs", [])
+                     if r["spec"]["rate"] is None and r["spec"]["concurrency"]})
+    ax.set_xscale("log", base=2)
+    if values:
+        ax.set_xticks(values)
+        ax.set_xticklabels([str(v) for v in values])
+        ax.minorticks_off()
+    ax.set_xlabel("max concurrency")
 
 
 # ---------------------------------------------------------------------------------- console
