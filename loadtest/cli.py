@@ -498,6 +498,8 @@ def serve_main(args, argv: list[str]) -> int:
             plots = report.write_plots(results, folder)
         except Exception as e:  # a plot must not hide the measurements
             results.setdefault("plot_error", f"{type(e).__name__}: {e}")
+    if results.get("plot_error"):
+        print(f"mok-loadtest: plots not written: {results['plot_error']}", file=sys.stderr)
     report.write_json(results, folder)
     report.write_markdown(results, folder, plots)
     print(report.console_summary(results, folder, code))

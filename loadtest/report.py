@@ -263,6 +263,9 @@ def write_markdown(results: dict[str, Any], folder: Path, plots: list[Path]) -> 
     out.append("")
     out += [f"- {n}: {s}" for n, s in avail.items()]
     out.append("")
+    if results.get("plot_error"):
+        out.append(f"Plots not written: {results['plot_error']}")
+        out.append("")
     if plots:
         out.append("## Plots")
         out.append("")
