@@ -122,3 +122,18 @@ def test_layers_endpoint_is_reported(fake_server, tmp_path):
     assert [p["label"] for p in parsed] == ["model.layers.0.mlp.experts (rank 0)", "model.layers.1.mlp.experts (rank 0)"]
     assert "latency_us.mean" in report and "answered 404" in report
     assert (tmp_path / "results" / "layers.png").stat().st_size > 1000
+
+
+@pytest.mark.server
+def test_server_that_cannot_start(tmp_path):
+    """A started server that fails at start-up: reported with its log, the other runs skipped."""
+    proc, results, report, elapsed = run_tool(
+        tmp_path, "--backends", "broken=no_such_backend", "--concurrency", "1", "--request-rate", "",
+        "--num-requests", "2", "--startup-timeout", "120",
+    )
+    assert proc.returncode == 1 and elapsed < 170
+    (target,) = results["targets"]
+    assert target["events"][0].startswith("server did not start: server exited with code")
+    assert "no_such_backend" in target["server_log_tail"]
+    assert target["runs"][0]["skipped"] == "server did not start"
+    assert "server did not start" in report

@@ -187,3 +187,17 @@ def test_layers_json_of_mok_serve_schema():
                                              "latency_ms.max", "phases_ms.dispatch.mean", "phases_ms.experts.mean"}
     assert parsed[0]["fields"]["calls"] == 50 and parsed[0]["fields"]["num_experts"] == 8
     assert layers.headline_field(parsed) == "latency_ms.mean"
+
+
+def test_layer_subcommand_forwards(monkeypatch):
+    import sys
+    import types
+
+    from mok_serve.loadtest.cli import main
+
+    seen = []
+    fake = types.ModuleType("mok_serve.loadtest.layer_bench")
+    fake.main = lambda argv: seen.append(argv) or 0
+    monkeypatch.setitem(sys.modules, "mok_serve.loadtest.layer_bench", fake)
+    assert main(["layer", "--tokens", "8", "--sweep"]) == 0
+    assert seen == [["--tokens", "8", "--sweep"]]
