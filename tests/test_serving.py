@@ -90,6 +90,15 @@ def test_tensor_parallel_2_expert_parallel_equals_tp1(kittens_server):
         assert "kittens EP: rank 0 of 2 dispatches and combines over shared memory (replicated tokens)" in log
 
 
+def test_data_parallel_2_expert_parallel_equals_tp1(kittens_server):
+    expected = greedy_all(kittens_server)
+    with ServerProcess(["--data-parallel-size", "2", "--enable-expert-parallel", *COMMON]) as dp2:
+        assert greedy_all(dp2, concurrent=True) == expected
+        log = dp2.log()
+        for rank in (0, 1):
+            assert f"kittens EP: rank {rank} of 2 dispatches and combines over shared memory (per-rank tokens)" in log
+
+
 def test_quantized_model_fails_at_start_up():
     server = ServerProcess(["--quantization", "fp8", *COMMON])
     with pytest.raises(ServerError, match="kittens runs unquantized MoE layers only.*quantized with 'fp8'"):
