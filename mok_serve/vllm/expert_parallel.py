@@ -1,14 +1,14 @@
 """Kittens' own dispatch and combine under vLLM expert parallelism.
 
-With ``--moe-backend kittens --enable-expert-parallel`` on the CPU, kittens binds vLLM's
-``passthrough`` all-to-all: vLLM then hands each rank's tokens straight to the experts and
-skips its own all-reduce, and the experts run ``SharedMemoryEPWorkspace`` (pull-based dispatch
-and fixed-order combine over shared memory between the worker processes) over vLLM's EP group.
-Under tensor parallelism without data parallelism every rank holds the same tokens, so the
-workspace runs in its replicated-tokens mode.
-
-On CUDA, kittens experts run under vLLM's own dispatch (the expert map masks the experts that
-live elsewhere) until the GPU workspace exists.
+With ``--moe-backend kittens --enable-expert-parallel`` (and more than one rank), kittens binds
+vLLM's ``passthrough`` all-to-all: vLLM then hands each rank's tokens straight to the experts and
+skips its own all-reduce, and the experts run a kittens EP workspace over vLLM's EP group: on the
+CPU ``SharedMemoryEPWorkspace`` (pull-based dispatch and fixed-order combine over shared memory
+between the worker processes), on CUDA ``SymmetricMemoryEPWorkspace`` (the same over torch
+symmetric memory and NVLink, Triton kernels, no host synchronisation). Under tensor parallelism
+without data parallelism every rank holds the same tokens, so the workspace runs in its
+replicated-tokens mode. The workspace is made at the first MoE call (vLLM's profiling run,
+before any CUDA graph is captured) and serves every layer.
 """
 
 import torch
@@ -27,7 +27,8 @@ DEFAULT_ALL2ALL = "allgather_reducescatter"
 
 def kittens_owns_dispatch(parallel_config) -> bool:
     ranks = parallel_config.tensor_parallel_size * parallel_config.data_parallel_size
-    return current_platform.is_cpu() and parallel_config.enable_expert_parallel and ranks > 1
+    on_supported_device = current_platform.is_cpu() or current_platform.is_cuda()
+    return on_supported_device and parallel_config.enable_expert_parallel and ranks > 1
 
 
 def bind_all2all_backend(moe_backend: str, parallel_config, stock_bind) -> None:
@@ -43,13 +44,16 @@ def bind_all2all_backend(moe_backend: str, parallel_config, stock_bind) -> None:
             f"--moe-backend kittens dispatches and combines itself under expert parallelism and "
             f"cannot be paired with --all2all-backend {a2a}; leave --all2all-backend unset."
         )
+    if parallel_config.enable_eplb:
+        # The placement is exchanged once, at the first call; EPLB moves experts at run time.
+        raise ValueError("--moe-backend kittens does not support --enable-eplb yet")
     parallel_config.all2all_backend = PASSTHROUGH_ALL2ALL_BACKEND
 
 
 class _Workspace:
     """One workspace per worker process, made at the first MoE call and shared by every layer."""
 
-    instance: SharedMemoryEPWorkspace | None = None
+    instance = None
     max_tokens: int = 0
     replicated: bool = False
 
@@ -59,14 +63,20 @@ def configure(max_tokens_per_rank: int, replicated_tokens: bool) -> None:
     _Workspace.replicated = replicated_tokens
 
 
-def _workspace(hidden_states, topk_ids, expert_map) -> SharedMemoryEPWorkspace:
+def _workspace(hidden_states, topk_ids, expert_map):
     ws = _Workspace.instance
     if ws is None:
         group = get_ep_group()
         maps = [torch.empty_like(expert_map, device="cpu") for _ in range(group.world_size)]
         torch.distributed.all_gather(maps, expert_map.cpu().contiguous(), group=group.cpu_group)
-        ws = SharedMemoryEPWorkspace(
-            group.cpu_group,
+        if hidden_states.is_cuda:
+            from mok_serve.kernels.ep_cuda import SymmetricMemoryEPWorkspace as workspace_cls
+
+            process_group, transport = group.device_group, "symmetric memory"
+        else:
+            workspace_cls, process_group, transport = SharedMemoryEPWorkspace, group.cpu_group, "shared memory"
+        ws = workspace_cls(
+            process_group,
             max_tokens_per_rank=_Workspace.max_tokens,
             hidden_size=hidden_states.shape[1],
             top_k=topk_ids.shape[1],
@@ -76,11 +86,9 @@ def _workspace(hidden_states, topk_ids, expert_map) -> SharedMemoryEPWorkspace:
         )
         _Workspace.instance = ws
         logger.info(
-            "kittens EP: rank %d of %d dispatches and combines over shared memory (%s tokens)",
-            ws.rank, ws.world_size, "replicated" if ws.replicated else "per-rank",
+            "kittens EP: rank %d of %d dispatches and combines over %s (%s tokens)",
+            ws.rank, ws.world_size, transport, "replicated" if ws.replicated else "per-rank",
         )
-    elif not torch.equal(ws.placement.expert_map(ws.rank).to(expert_map.dtype), expert_map.cpu()):
-        raise ValueError("kittens EP: every MoE layer must use the same expert placement")
     return ws
 
 
