@@ -15,8 +15,13 @@ dtype (as vLLM's kernels do); the top-k sum is fp32 and the result is cast back 
 
 The implementation here sorts (token, k) rows by local expert with a stable sort, so each expert
 sees its rows in token order, and runs both GEMMs as one ``torch._grouped_mm`` each. A row's
-result depends only on that row (GEMM K-order does not change with the number of rows), so a
-token's output is bitwise the same whatever else shares the call.
+result must depend only on that row, so that a token's output is bitwise the same whatever else
+shares the call. On the CPU the GEMMs run in float32 on exactly upcast operands (the same
+function as a bf16/fp16 GEMM with fp32 accumulation): CPUs without native bf16 matmul convert
+the weights on every bf16 call, and float32 BLAS picks its kernel by row count (one row, two or
+three, more) but gives every row the same result once the count is a multiple of 8, so each
+expert's rows are padded to a multiple of 8. For the same reason the weights may be given in
+float32 on the CPU (an exact upcast copy kept by the caller, as the vLLM glue does).
 """
 
 import torch
@@ -63,9 +68,10 @@ def check_fused_moe_args(
             f"w2 shape {tuple(w2.shape)} does not match w13 {tuple(w13.shape)}: expected "
             f"{(num_local, hidden, two_i // 2)}"
         )
-    if w13.dtype != hidden_states.dtype or w2.dtype != hidden_states.dtype:
+    weight_dtypes = (hidden_states.dtype, torch.float32) if hidden_states.device.type == "cpu" else (hidden_states.dtype,)
+    if w13.dtype not in weight_dtypes or w2.dtype not in weight_dtypes:
         raise ValueError(
-            f"weights must have the dtype of hidden_states ({hidden_states.dtype}); "
+            f"weights must have the dtype of hidden_states ({hidden_states.dtype}, or float32 on the CPU); "
             f"got w13 {w13.dtype}, w2 {w2.dtype}"
         )
     if topk_ids.dim() != 2 or topk_ids.shape[0] != tokens:
@@ -118,6 +124,25 @@ def combine_topk(expert_out: torch.Tensor, topk_weights: torch.Tensor) -> torch.
     return out
 
 
+ROW_ALIGN_CPU = 8
+
+
+def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``a @ w[e].T`` for each expert's block of rows (``counts[e]`` rows each, in expert order),
+    accumulated in fp32 and rounded to ``a``'s dtype."""
+    offsets = torch.cumsum(counts, 0)
+    if a.device.type != "cpu":
+        return torch._grouped_mm(a, w.transpose(1, 2), offs=offsets.to(torch.int32))
+    padded = (counts + ROW_ALIGN_CPU - 1) // ROW_ALIGN_CPU * ROW_ALIGN_CPU
+    padded_offsets = torch.cumsum(padded, 0)
+    expert = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    dest = torch.arange(a.shape[0]) - (offsets - counts)[expert] + (padded_offsets - padded)[expert]
+    a_padded = a.new_zeros(int(padded_offsets[-1]), a.shape[1], dtype=torch.float32)
+    a_padded[dest] = a.float()
+    out = torch._grouped_mm(a_padded, w.float().transpose(1, 2), offs=padded_offsets.to(torch.int32))
+    return out[dest].to(a.dtype)
+
+
 def run_experts(
     x: torch.Tensor, row_token: torch.Tensor, row_expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
 ) -> torch.Tensor:
@@ -130,16 +155,13 @@ def run_experts(
     # Rows of experts that live elsewhere sort after every local expert and are dropped.
     sort_key = torch.where(row_expert >= 0, row_expert, num_local)
     order = torch.argsort(sort_key, stable=True)
-    counts = torch.bincount(sort_key, minlength=num_local + 1)
-    num_rows = int(counts[:num_local].sum())
-    rows = order[:num_rows]
-    offsets = torch.cumsum(counts[:num_local], 0).to(torch.int32)
+    counts = torch.bincount(sort_key, minlength=num_local + 1)[:num_local]
+    rows = order[: int(counts.sum())]
     out = torch.zeros(row_token.numel(), x.shape[1], dtype=x.dtype, device=x.device)
-    if num_rows:
-        gate_up = torch._grouped_mm(x[row_token[rows]], w13.transpose(1, 2), offs=offsets)
-        gate, up = gate_up.float().chunk(2, dim=-1)
+    if rows.numel():
+        gate, up = _grouped_gemm(x[row_token[rows]], w13, counts).float().chunk(2, dim=-1)
         act = (F.silu(gate) * up).to(x.dtype)
-        out[rows] = torch._grouped_mm(act, w2.transpose(1, 2), offs=offsets)
+        out[rows] = _grouped_gemm(act, w2, counts)
     return out
 
 

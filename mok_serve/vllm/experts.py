@@ -18,6 +18,7 @@ from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedM
 from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceNoOP
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 from vllm.model_executor.layers.quantization.utils.quant_utils import QuantKey
+from vllm.model_executor.utils import replace_parameter
 from vllm.platforms import current_platform
 
 from mok_serve.kernels import fused_moe
@@ -85,6 +86,13 @@ class KittensExperts(mk.FusedMoEExpertsModular):
         if moe_config.has_bias:
             return False, "kernel does not support expert biases"
         return mk.FusedMoEExperts.is_supported_config(cls, moe_config, weight_key, activation_key, activation_format)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if current_platform.is_cpu():
+            # fused_moe computes in float32 on the CPU (see kernels/reference.py); an exact upcast
+            # copy made once saves converting the weights on every call.
+            replace_parameter(layer, "w13_weight", layer.w13_weight.float())
+            replace_parameter(layer, "w2_weight", layer.w2_weight.float())
 
     def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta, activation):
         return (0,), (0,), (M, K)
