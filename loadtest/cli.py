@@ -122,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokenizer whose vocabulary random prompts are drawn from (default: the model; with --url, "
         "the 'root' that the first server's /v1/models reports)",
     )
+    g.add_argument(
+        "--prompt-format", choices=("text", "ids"), default="text",
+        help="random prompts as text that re-encodes to --input-len tokens (as vllm bench serve's random "
+        "dataset; the server tokenizes it) or as token-id lists (no tokenization) (default: %(default)s)",
+    )
     g.add_argument("--seed", type=int, default=0, help="workload seed (prompts, Poisson arrivals) (default: %(default)s)")
     g.add_argument(
         "--no-ignore-eos", dest="ignore_eos", action="store_false",
@@ -257,7 +262,7 @@ def _specs(args) -> list:
     return specs
 
 
-def _workloads(args, specs, vocab, dataset) -> dict[str, tuple[list, list]]:
+def _workloads(args, specs, vocab, dataset, tokenizer=None) -> dict[str, tuple[list, list]]:
     from . import workload
 
     out = {}
@@ -267,7 +272,8 @@ def _workloads(args, specs, vocab, dataset) -> dict[str, tuple[list, list]]:
                 return []
             if dataset is not None:
                 return workload.dataset_workload(dataset, n, args.output_len, seed)
-            return workload.random_workload(n, args.input_len, args.output_len, vocab, seed, args.range_ratio)
+            return workload.random_workload(n, args.input_len, args.output_len, vocab, seed, args.range_ratio,
+                                            tokenizer if args.prompt_format == "text" else None)
 
         # Distinct seeds per run and for warm-up: no prompt repeats, so no prefix-cache hits.
         out[spec.name] = (make(spec.warmup, spec.seed + 1), make(spec.num_requests, spec.seed))
@@ -321,7 +327,7 @@ def _run_all(args, targets_cfg: list[dict[str, Any]], results: dict[str, Any], p
         layers=args.layers,
     )
     dataset = workload.load_dataset(args.dataset) if args.dataset else None
-    vocab = None
+    vocab = tokenizer = None
     per_run_total = {s.name: s.num_requests for s in specs}
     for tcfg in targets_cfg:
         tres: dict[str, Any] = {k: v for k, v in tcfg.items() if k != "server"}
@@ -361,15 +367,27 @@ def _run_all(args, targets_cfg: list[dict[str, Any]], results: dict[str, Any], p
             tres["model"] = model_info.get("id")
             if dataset is None and vocab is None:
                 tok = args.tokenizer or results["config"].get("model") or model_info.get("root") or model_info.get("id")
-                vocab = workload.vocab_from_tokenizer(tok)
+                try:
+                    tokenizer = workload.load_tokenizer(tok)
+                    vocab = workload.vocab_of(tokenizer)
+                except Exception as e:
+                    tres["events"].append(f"cannot load the tokenizer {tok!r} for random prompts ({type(e).__name__}: "
+                                          f"{str(e).splitlines()[0] if str(e) else ''}); pass --tokenizer")
+                    _skip_all(tres, specs, "no tokenizer", progress)
+                    continue
                 results["config"]["tokenizer"] = str(tok)
-            loads = _workloads(args, specs, vocab, dataset)
+            loads = _workloads(args, specs, vocab, dataset, tokenizer)
 
             def cb(run_name, rec, _t=tres["name"]):
                 progress.set(f"{_t} {run_name}")
                 progress(run_name, rec)
 
-            runs = asyncio.run(runner.run_target(target, tres["model"], specs, loads, opts, cb))
+            try:
+                runs = asyncio.run(runner.run_target(target, tres["model"], specs, loads, opts, cb))
+            except Exception as e:  # keep the report: say what broke
+                tres["events"].append(f"load test aborted: {type(e).__name__}: {e}")
+                _skip_all(tres, specs, "load test aborted", progress)
+                continue
             for r in runs:
                 if r.get("skipped"):
                     progress.skip(per_run_total[r["spec"]["name"]] - 1)
@@ -458,7 +476,7 @@ def serve_main(args, argv: list[str]) -> int:
     if args.dataset:
         desc = f"prompts from {args.dataset}, {args.output_len} output tokens"
     else:
-        desc = f"random {args.input_len} in / {args.output_len} out tokens"
+        desc = f"random {args.input_len} in / {args.output_len} out tokens ({args.prompt_format} prompts)"
     runs_desc = ", ".join(s.name for s in _specs(args))
     results: dict[str, Any] = {
         "tool": "mok-loadtest serve",

@@ -1,9 +1,9 @@
 """The seeded workload: the same list of requests for every server of a comparison.
 
-Random prompts are lists of token ids drawn uniformly (seeded ``numpy`` generator) from the
-tokenizer's vocabulary without its special tokens, sent as token-id prompts to
-``/v1/completions``; their input length is therefore exact, and with ``ignore_eos`` so is their
-output length. A dataset file gives text prompts instead (their length is whatever the server's
+Random prompts are token ids drawn uniformly (seeded ``numpy`` generator) from the tokenizer's
+vocabulary without its special tokens, sent by default as text that re-encodes to exactly the
+chosen length (as ``vllm bench serve --dataset-name random`` does; the server tokenizes it), or
+with ``--prompt-format ids`` as token-id lists; with ``ignore_eos`` the output length is exact. A dataset file gives text prompts instead (their length is whatever the server's
 tokenizer makes of them; the server reports it in ``usage.prompt_tokens``).
 
 Dataset file formats: ``.jsonl`` (one JSON object per line with ``prompt`` or ``text``, optional
@@ -29,30 +29,66 @@ class WorkItem:
     output_len: int
 
 
-def vocab_from_tokenizer(tokenizer_path: str | os.PathLike) -> np.ndarray:
-    """Token ids that are safe for random prompts: the whole vocabulary without special tokens."""
+def load_tokenizer(tokenizer_path: str | os.PathLike):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_path))
+    return AutoTokenizer.from_pretrained(str(tokenizer_path))
+
+
+def vocab_of(tok) -> np.ndarray:
+    """Token ids that are safe for random prompts: the whole vocabulary without special tokens."""
     special = set(tok.all_special_ids)
     ids = [i for i in range(len(tok)) if i not in special]
     if not ids:
-        raise ValueError(f"tokenizer {tokenizer_path} has no non-special tokens")
+        raise ValueError("the tokenizer has no non-special tokens")
     return np.asarray(ids, dtype=np.int64)
 
 
+def vocab_from_tokenizer(tokenizer_path: str | os.PathLike) -> np.ndarray:
+    return vocab_of(load_tokenizer(tokenizer_path))
+
+
+def ids_to_text(tok, ids: list[int], target_len: int, vocab: np.ndarray, rng: np.random.Generator,
+                max_retry: int = 10, max_draws: int = 50) -> tuple[str, int]:
+    """Text whose re-encoding has ``target_len`` tokens, as vLLM's random dataset makes it
+    (``gen_prompt_decode_to_target_len``: decode, re-encode, truncate or extend, retry), with
+    fresh random ids when that does not converge (vLLM would accept the mismatch).
+    Returns (text, its length in tokens)."""
+    seq = list(ids)
+    for _ in range(max_draws):
+        for _ in range(max_retry + 1):
+            text = tok.decode(seq)
+            seq = tok.encode(text, add_special_tokens=False)
+            if len(seq) == target_len:
+                return text, target_len
+            if len(seq) < target_len:
+                seq += vocab[rng.integers(0, len(vocab), size=target_len - len(seq))].tolist()
+            else:
+                seq = seq[:target_len]
+        seq = vocab[rng.integers(0, len(vocab), size=target_len)].tolist()
+    return text, len(tok.encode(text, add_special_tokens=False))
+
+
 def random_workload(
-    n: int, input_len: int, output_len: int, vocab: np.ndarray, seed: int, range_ratio: float = 0.0
+    n: int, input_len: int, output_len: int, vocab: np.ndarray, seed: int, range_ratio: float = 0.0,
+    tokenizer=None,
 ) -> list[WorkItem]:
-    """``n`` random token-id prompts. With ``range_ratio`` r > 0 the lengths are drawn uniformly
-    from [len * (1 - r), len * (1 + r)] (as vLLM's random dataset does), else they are fixed."""
+    """``n`` random prompts. With ``range_ratio`` r > 0 the lengths are drawn uniformly from
+    [len * (1 - r), len * (1 + r)] (as vLLM's random dataset does), else they are fixed. Without
+    ``tokenizer`` the prompts are token-id lists; with it, text that re-encodes to that length
+    (the form ``vllm bench serve --dataset-name random`` sends, so tokenization is part of the
+    measured work)."""
     rng = np.random.default_rng(seed)
     items = []
     for _ in range(n):
         il = _draw_len(rng, input_len, range_ratio)
         ol = _draw_len(rng, output_len, range_ratio)
-        prompt = vocab[rng.integers(0, len(vocab), size=il)].tolist()
-        items.append(WorkItem(prompt=prompt, prompt_len=il, output_len=ol))
+        ids = vocab[rng.integers(0, len(vocab), size=il)].tolist()
+        if tokenizer is None:
+            items.append(WorkItem(prompt=ids, prompt_len=il, output_len=ol))
+        else:
+            text, length = ids_to_text(tokenizer, ids, il, vocab, rng)
+            items.append(WorkItem(prompt=text, prompt_len=length, output_len=ol))
     return items
 
 

@@ -7,6 +7,7 @@ import time
 import numpy as np
 import pytest
 
+from mok_serve import tiny_models
 from mok_serve.loadtest import client, layers, report, workload
 from mok_serve.loadtest.metrics import RequestRecord, peak_output_tokens_per_s, ratio, stats, summarize
 
@@ -201,3 +202,14 @@ def test_layer_subcommand_forwards(monkeypatch):
     monkeypatch.setitem(sys.modules, "mok_serve.loadtest.layer_bench", fake)
     assert main(["layer", "--tokens", "8", "--sweep"]) == 0
     assert seen == [["--tokens", "8", "--sweep"]]
+
+
+def test_random_text_prompts_reencode_to_exact_length():
+    tok = workload.load_tokenizer(tiny_models.build_tiny_model())
+    vocab = workload.vocab_of(tok)
+    assert not set(tok.all_special_ids) & set(vocab.tolist())
+    for il in (16, 64, 128):
+        items = workload.random_workload(24, il, 8, vocab, seed=il, tokenizer=tok)
+        assert all(isinstance(x.prompt, str) for x in items)
+        assert [len(tok.encode(x.prompt)) for x in items] == [il] * 24  # what the server will count
+        assert items[0].prompt == workload.random_workload(1, il, 8, vocab, seed=il, tokenizer=tok)[0].prompt
