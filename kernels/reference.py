@@ -127,22 +127,6 @@ def combine_topk(expert_out: torch.Tensor, topk_weights: torch.Tensor) -> torch.
 ROW_ALIGN_CPU = 8
 
 
-def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """``a @ w[e].T`` for each expert's block of rows (``counts[e]`` rows each, in expert order),
-    accumulated in fp32 and rounded to ``a``'s dtype."""
-    offsets = torch.cumsum(counts, 0)
-    if a.device.type != "cpu":
-        return torch._grouped_mm(a, w.transpose(1, 2), offs=offsets.to(torch.int32))
-    padded = (counts + ROW_ALIGN_CPU - 1) // ROW_ALIGN_CPU * ROW_ALIGN_CPU
-    padded_offsets = torch.cumsum(padded, 0)
-    expert = torch.repeat_interleave(torch.arange(counts.numel()), counts)
-    dest = torch.arange(a.shape[0]) - (offsets - counts)[expert] + (padded_offsets - padded)[expert]
-    a_padded = a.new_zeros(int(padded_offsets[-1]), a.shape[1], dtype=torch.float32)
-    a_padded[dest] = a.float()
-    out = torch._grouped_mm(a_padded, w.float().transpose(1, 2), offs=padded_offsets.to(torch.int32))
-    return out[dest].to(a.dtype)
-
-
 def run_experts(
     x: torch.Tensor, row_token: torch.Tensor, row_expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
 ) -> torch.Tensor:
@@ -152,16 +136,32 @@ def run_experts(
     are sorted by expert with a stable sort so each expert sees its rows in their given order.
     """
     num_local = w13.shape[0]
+    on_cpu = x.device.type == "cpu"
+    compute_dtype = torch.float32 if on_cpu else x.dtype
+    align = ROW_ALIGN_CPU if on_cpu else 1
     # Rows of experts that live elsewhere sort after every local expert and are dropped.
     sort_key = torch.where(row_expert >= 0, row_expert, num_local)
     order = torch.argsort(sort_key, stable=True)
     counts = torch.bincount(sort_key, minlength=num_local + 1)[:num_local]
     rows = order[: int(counts.sum())]
     out = torch.zeros(row_token.numel(), x.shape[1], dtype=x.dtype, device=x.device)
-    if rows.numel():
-        gate, up = _grouped_gemm(x[row_token[rows]], w13, counts).float().chunk(2, dim=-1)
-        act = (F.silu(gate) * up).to(x.dtype)
-        out[rows] = _grouped_gemm(act, w2, counts)
+    if not rows.numel():
+        return out
+    # Each expert's block of rows starts at a multiple of `align` in the GEMM operands.
+    padded = (counts + align - 1) // align * align
+    offsets = torch.cumsum(padded, 0)
+    expert = torch.repeat_interleave(torch.arange(num_local, device=x.device), counts)
+    dest = torch.arange(rows.numel(), device=x.device) - (torch.cumsum(counts, 0) - counts)[expert]
+    dest += (offsets - padded)[expert]
+    a = torch.zeros(int(offsets[-1]), x.shape[1], dtype=compute_dtype, device=x.device)
+    a[dest] = x[row_token[rows]].to(compute_dtype)
+    offsets = offsets.to(torch.int32)
+    # Both GEMM outputs are rounded to x's dtype, as a GEMM in that dtype would return them.
+    gate_up = torch._grouped_mm(a, w13.to(compute_dtype).transpose(1, 2), offs=offsets)
+    gate, up = gate_up.to(x.dtype).float().chunk(2, dim=-1)
+    act = (F.silu(gate) * up).to(x.dtype).to(compute_dtype)
+    y = torch._grouped_mm(act, w2.to(compute_dtype).transpose(1, 2), offs=offsets)
+    out[rows] = y[dest].to(x.dtype)
     return out
 
 
