@@ -125,6 +125,11 @@ def headline_table(results: dict[str, Any]) -> str:
         header += [f"{t['name']} {label}" for t in targets]
         if base and cand:
             header.append(f"{cand['name']}/{base['name']}")
+    with_layers = any(layer_mean(r) is not None for t in targets for r in t.get("runs", []))
+    if with_layers:
+        header += [f"{t['name']} MoE ms/layer" for t in targets]
+        if base and cand:
+            header.append(f"{cand['name']}/{base['name']}")
     header.append("errors")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name in run_names(results):
@@ -135,6 +140,11 @@ def headline_table(results: dict[str, Any]) -> str:
                 r = run_of(t, name)
                 vals.append(get(r["summary"], path) if r and not r.get("skipped") else None)
             row += [fmt(v, f) for v in vals]
+            if base and cand:
+                row.append(fmt_ratio(ratio(vals[1], vals[0])))
+        if with_layers:
+            vals = [layer_mean(run_of(t, name)) for t in targets]
+            row += [fmt(v, "{:.3f}") for v in vals]
             if base and cand:
                 row.append(fmt_ratio(ratio(vals[1], vals[0])))
         errs = []
@@ -149,6 +159,20 @@ def headline_table(results: dict[str, Any]) -> str:
         row.append(", ".join(errs) or "0")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def layer_mean(run: dict[str, Any] | None) -> float | None:
+    """Mean over the MoE layers (and ranks) of the per-layer headline time (a mean latency) from
+    ``GET /v1/kittens/layers`` for one run; None when the server did not give one."""
+    from . import layers as layers_mod
+
+    parsed = ((run or {}).get("layers") or {}).get("parsed")
+    if not parsed:
+        return None
+    key = layers_mod.headline_field(parsed)
+    if key is None:
+        return None
+    return sum(l["fields"][key] for l in parsed) / len(parsed)
 
 
 def detail_table(results: dict[str, Any], name: str) -> str:
