@@ -72,6 +72,7 @@ from .triton_moe import (
     _cast,
     _descriptor,
     _dot,
+    _gemm2_tile,
     _max_row_tiles,
     _moe_gemm1_kernel,
     _moe_gemm2_kernel,
@@ -221,31 +222,11 @@ def _ep_gemm2_push_kernel(
         offs_m = m0 + tl.arange(0, BLOCK_M)
         row_ok = offs_m < count_e
         rows = tl.load(sorted_rows_ptr + start_e + offs_m, mask=row_ok, other=0)
-        offs_k = tl.arange(0, BLOCK_K)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < H
-        a_ptrs = act_ptr + (start_e + offs_m)[:, None].to(tl.int64) * I + offs_k[None, :]
-        w_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-        row_w = e * H + pid_n * BLOCK_N
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            else:
-                k_ok = offs_k < I - k0
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            if USE_TMA:
-                b = w_desc.load([row_w, k0]).T
-            elif EVEN_K:
-                if EVEN_N:
-                    b = tl.load(w_ptrs)
-                else:
-                    b = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
-            else:
-                b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc = _dot(a, b, acc, DOT_IEEE, DOT_F32)
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K * stride_wk
+        acc, offs_n, n_ok = _gemm2_tile(
+            act_ptr, w_ptr, w_desc, e, start_e, offs_m, row_ok, pid_n, H, I,
+            stride_we, stride_wn, stride_wk,
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA,
+        )
         src = rows // rows_per_source
         lrow = (rows % rows_per_source).to(tl.int64)
         # Element offset of the home rank's ret buffer from ours (pointer + int64 offsets, no
