@@ -117,10 +117,10 @@ def local_expert_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) ->
 
 def combine_topk(expert_out: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     """Sum ``expert_out`` ``[T, K, H]`` over k in fixed k order, in fp32, weighted."""
-    weights = topk_weights.float()
+    weighted = expert_out.float() * topk_weights.float().unsqueeze(-1)
     out = torch.zeros(expert_out.shape[0], expert_out.shape[2], dtype=torch.float32, device=expert_out.device)
     for k in range(expert_out.shape[1]):
-        out += weights[:, k : k + 1] * expert_out[:, k].float()
+        out += weighted[:, k]
     return out
 
 
@@ -139,20 +139,19 @@ def run_experts(
     on_cpu = x.device.type == "cpu"
     compute_dtype = torch.float32 if on_cpu else x.dtype
     align = ROW_ALIGN_CPU if on_cpu else 1
-    # Rows of experts that live elsewhere sort after every local expert and are dropped.
-    sort_key = torch.where(row_expert >= 0, row_expert, num_local)
+    # Rows of experts that live elsewhere (-1) sort after every local expert and are dropped.
+    sort_key = row_expert.remainder(num_local + 1)
     order = torch.argsort(sort_key, stable=True)
     counts = torch.bincount(sort_key, minlength=num_local + 1)[:num_local]
     rows = order[: int(counts.sum())]
     out = torch.zeros(row_token.numel(), x.shape[1], dtype=x.dtype, device=x.device)
     if not rows.numel():
         return out
-    # Each expert's block of rows starts at a multiple of `align` in the GEMM operands.
-    padded = (counts + align - 1) // align * align
-    offsets = torch.cumsum(padded, 0)
-    expert = torch.repeat_interleave(torch.arange(num_local, device=x.device), counts)
-    dest = torch.arange(rows.numel(), device=x.device) - (torch.cumsum(counts, 0) - counts)[expert]
-    dest += (offsets - padded)[expert]
+    # Each expert's block of rows starts at a multiple of `align` in the GEMM operands: `pad`
+    # empty rows follow each block.
+    pad = (counts + align - 1) // align * align - counts
+    offsets = torch.cumsum(counts + pad, 0)
+    dest = torch.arange(rows.numel(), device=x.device) + (torch.cumsum(pad, 0) - pad)[sort_key[rows]]
     a = torch.zeros(int(offsets[-1]), x.shape[1], dtype=compute_dtype, device=x.device)
     a[dest] = x[row_token[rows]].to(compute_dtype)
     offsets = offsets.to(torch.int32)
