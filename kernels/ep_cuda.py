@@ -70,15 +70,14 @@ from .ep_cpu import ExpertPlacement, PeerTimeoutError
 from .reference import check_fused_moe_args
 from .triton_moe import (
     _cast,
-    _descriptor,
-    _dot,
     _gemm2_tile,
-    _max_row_tiles,
-    _moe_gemm1_kernel,
-    _moe_gemm2_kernel,
-    _moe_schedule_kernel,
+    _interpreting,
     _program_tile,
     _tile_of,
+    combine_block,
+    launch_gemm1,
+    launch_gemm2,
+    launch_schedule,
     pick_configs,
 )
 
@@ -91,10 +90,6 @@ ST_EPOCH, ST_ERR, ST_ERR_PEER, ST_ERR_EPOCH, ST_WAIT = 0, 1, 2, 3, 4
 STATE_WORDS = 8
 ALIGN = 256
 WHAT = {POSTED: "post its tokens", COMPUTED: "finish its experts"}
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -204,16 +199,18 @@ def _ep_gather_kernel(
 
 @triton.jit
 def _ep_gemm2_push_kernel(
-    act_ptr, w_ptr, w_desc, ret_ptr, rettab_ptr, sorted_rows_ptr, counts_ptr,
-    num_local, H, I, num_m, rank, rows_per_source,
+    act_ptr, w_ptr, w_desc, ret_ptr, sorted_rows_ptr, counts_ptr,
+    num_local, H, I, num_m,
     stride_we, stride_wn, stride_wk,
+    rettab_ptr, rank, rows_per_source,
     E_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
     USE_TMA: tl.constexpr, GROUP_M: tl.constexpr, ELEM_BYTES: tl.constexpr,
 ):
     """``triton_moe._moe_gemm2_kernel`` (same arithmetic) whose epilogue stores each row straight
-    into the ``ret`` buffer of the row's home rank (push return)."""
+    into the ``ret`` buffer of the row's home rank (push return). Same leading parameters, so
+    ``launch_gemm2`` launches it; its own ones follow the strides."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(H, BLOCK_N)
     pid_m, pid_n = _program_tile(pid, num_m, num_n, GROUP_M)
@@ -502,7 +499,6 @@ class SymmetricMemoryEPWorkspace:
         timeout_ns = int(self.timeout_s * 1e9)
         k_pad = max(2, triton.next_power_of_2(K))
         out = torch.empty((tokens, H), dtype=self.dtype, device=dev)
-        dot_ieee = self.dtype == torch.float32 or interpret
         push = self.return_mode == "push"
 
         def post():
@@ -534,68 +530,26 @@ class SymmetricMemoryEPWorkspace:
         def schedule():
             if num_local == 0:
                 return
-            _moe_schedule_kernel[(num_local,)](
-                self.all_ids, expert_map, self.counts, self.sorted_rows,
-                rows_cap, self.num_global, num_local, K, 1,
-                TOPK=K, HAS_MAP=True, BLOCK=4096 if rows_cap > 2048 else 256 if rows_cap <= 256 else 1024,
-                num_warps=8 if rows_cap > 2048 else 4,
-            )
+            launch_schedule(self.all_ids, expert_map, self.counts, self.sorted_rows, num_local, self.num_global)
 
         g1, g2 = pick_configs(max(tokens, 1), K, max(num_local, 1), H, inter)
-        g1, g2 = dict(g1), dict(g2)
-        g1.setdefault("GU_FUSED", False)
-        g1.setdefault("GROUP_M", 1)
-        g2.setdefault("GROUP_M", 1)
-        for g in (g1, g2):
-            g["USE_TMA"] = bool(g.get("USE_TMA", False)) and not interpret and dev.type == "cuda" and self.dtype != torch.float32
-        e_pad = max(16, triton.next_power_of_2(max(num_local, 1)))
 
         def gemms():
             if num_local == 0 or inter == 0:
                 return
-            bm1, bn1 = g1["BLOCK_M"], g1["BLOCK_N"]
-            w13_desc = w13
-            if g1["USE_TMA"]:
-                if w13.is_contiguous() and not g1["GU_FUSED"]:
-                    w13_desc = _descriptor(w13.view(num_local * two_i, H), [bn1, g1["BLOCK_K"]])
-                else:
-                    g1["USE_TMA"] = False
-            num_m1 = _max_row_tiles(rows_cap, num_local, bm1)
-            _moe_gemm1_kernel[(num_m1 * triton.cdiv(inter, bn1),)](
-                self.xl, w13, w13_desc, self.act, self.sorted_rows, self.counts,
-                num_local, H, inter, num_m1,
-                self.xl.stride(0), self.xl.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
-                TOPK=K, E_PAD=e_pad,
-                EVEN_K=H % g1["BLOCK_K"] == 0, EVEN_N=inter % bn1 == 0, DOT_IEEE=dot_ieee, DOT_F32=interpret,
-                **g1,
-            )
-            bm2, bn2 = g2["BLOCK_M"], g2["BLOCK_N"]
-            w2_desc = w2
-            if g2["USE_TMA"]:
-                if w2.is_contiguous():
-                    w2_desc = _descriptor(w2.view(num_local * H, inter), [bn2, g2["BLOCK_K"]])
-                else:
-                    g2["USE_TMA"] = False
-            num_m2 = _max_row_tiles(rows_cap, num_local, bm2)
-            grid2 = (num_m2 * triton.cdiv(H, bn2),)
-            common = dict(E_PAD=e_pad, EVEN_K=inter % g2["BLOCK_K"] == 0, EVEN_N=H % bn2 == 0,
-                          DOT_IEEE=dot_ieee, DOT_F32=interpret, **g2)
+            launch_gemm1(self.xl, w13, self.act, self.sorted_rows, self.counts, rows_cap, K, g1, interpret=interpret)
             if push:
-                _ep_gemm2_push_kernel[grid2](
-                    self.act, w2, w2_desc, self.seg_ret, self.ret_tab, self.sorted_rows, self.counts,
-                    num_local, H, inter, num_m2, self.rank, T * K,
-                    w2.stride(0), w2.stride(1), w2.stride(2), ELEM_BYTES=self.seg_ret.element_size(), **common,
+                launch_gemm2(
+                    self.act, w2, self.seg_ret, self.sorted_rows, self.counts, rows_cap, g2, interpret=interpret,
+                    kernel=_ep_gemm2_push_kernel, extra_args=(self.ret_tab, self.rank, T * K),
+                    ELEM_BYTES=self.seg_ret.element_size(),
                 )
             else:
-                _moe_gemm2_kernel[grid2](
-                    self.act, w2, w2_desc, self.seg_y, self.sorted_rows, self.counts,
-                    num_local, H, inter, num_m2,
-                    w2.stride(0), w2.stride(1), w2.stride(2), **common,
-                )
+                launch_gemm2(self.act, w2, self.seg_y, self.sorted_rows, self.counts, rows_cap, g2, interpret=interpret)
 
         def combine():
             if tokens:
-                block_h = min(1024, max(16, triton.next_power_of_2(H)))
+                block_h = combine_block(H)
                 src_row0 = 0 if (self.replicated or push) else self.rank * T * K
                 _ep_combine_kernel[(tokens, triton.cdiv(H, block_h))](
                     self.y_tab, self.seg_ret, out, topk_ids, topk_weights, self.owner,

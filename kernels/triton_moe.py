@@ -47,7 +47,7 @@ import triton.language as tl
 
 from .reference import check_fused_moe_args
 
-__all__ = ["fused_moe_triton", "pick_configs"]
+__all__ = ["combine_block", "fused_moe_triton", "launch_gemm1", "launch_gemm2", "launch_schedule", "pick_configs"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -406,6 +406,131 @@ def _descriptor(t2d: torch.Tensor, block: list[int]):
     return TensorDescriptor.from_tensor(t2d, block)
 
 
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch steps (shared by fused_moe_triton and the expert-parallel workspace in ep_cuda.py)
+# ----------------------------------------------------------------------------------------------
+
+
+def _gemm_config(config: dict, act: torch.Tensor, interpret: bool, **defaults) -> dict:
+    """A copy of a ``pick_configs`` entry with its defaults filled in. TMA needs compiled code,
+    contiguous weights and 16-byte aligned rows: it stays off under the interpreter, off the GPU
+    and for fp32 data here, and the launchers turn it off for non-contiguous weights."""
+    g = dict(config)
+    for key, value in defaults.items():
+        g.setdefault(key, value)
+    g["USE_TMA"] = bool(g.get("USE_TMA", False)) and not interpret and act.is_cuda and act.dtype != torch.float32
+    return g
+
+
+def _e_pad(num_local: int) -> int:
+    return max(16, triton.next_power_of_2(num_local))
+
+
+def launch_schedule(
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    counts: torch.Tensor,
+    sorted_rows: torch.Tensor,
+    num_local: int,
+    num_global: int,
+) -> None:
+    """``_moe_schedule_kernel`` over every (token, k) row of ``topk_ids`` ``[N, K]``: per-expert
+    ``counts`` and ``sorted_rows`` (each expert's rows, in row order). ``num_local >= 1``."""
+    rows = topk_ids.shape[0] * topk_ids.shape[1]
+    has_map = expert_map is not None
+    _moe_schedule_kernel[(num_local,)](
+        topk_ids, expert_map if has_map else topk_ids, counts, sorted_rows,  # (dummy pointer without a map)
+        rows, num_global, num_local, topk_ids.stride(0), topk_ids.stride(1),
+        # Every program scans all rows (twice): wide blocks keep that latency-bound loop short.
+        TOPK=topk_ids.shape[1], HAS_MAP=has_map, BLOCK=4096 if rows > 2048 else 256 if rows <= 256 else 1024,
+        num_warps=8 if rows > 2048 else 4,
+    )
+
+
+def launch_gemm1(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    act: torch.Tensor,
+    sorted_rows: torch.Tensor,
+    counts: torch.Tensor,
+    rows: int,
+    top_k: int,
+    config: dict,
+    *,
+    interpret: bool,
+) -> None:
+    """``_moe_gemm1_kernel``: ``act[i] = silu(x[t] @ gate.T) * (x[t] @ up.T)`` for the ``i``-th
+    scheduled row ``t * top_k + k`` (``rows`` of them at most; ``x`` rows gathered by token).
+    ``config`` is GEMM1's entry of ``pick_configs``. ``w13`` has ``num_local >= 1`` experts."""
+    num_local, two_i, hidden = w13.shape
+    inter = two_i // 2
+    g = _gemm_config(config, act, interpret, GU_FUSED=False, GROUP_M=1)
+    bm, bn = g["BLOCK_M"], g["BLOCK_N"]
+    w13_desc = w13
+    if g["USE_TMA"]:
+        if w13.is_contiguous() and not g["GU_FUSED"]:
+            w13_desc = _descriptor(w13.view(num_local * two_i, hidden), [bn, g["BLOCK_K"]])
+        else:
+            g["USE_TMA"] = False
+    num_m = _max_row_tiles(rows, num_local, bm)
+    _moe_gemm1_kernel[(num_m * triton.cdiv(inter, bn),)](
+        x, w13, w13_desc, act, sorted_rows, counts,
+        num_local, hidden, inter, num_m,
+        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
+        TOPK=top_k, E_PAD=_e_pad(num_local),
+        EVEN_K=hidden % g["BLOCK_K"] == 0, EVEN_N=inter % bn == 0,
+        DOT_IEEE=act.dtype == torch.float32 or interpret, DOT_F32=interpret,
+        **g,
+    )
+
+
+def launch_gemm2(
+    act: torch.Tensor,
+    w2: torch.Tensor,
+    y: torch.Tensor,
+    sorted_rows: torch.Tensor,
+    counts: torch.Tensor,
+    rows: int,
+    config: dict,
+    *,
+    interpret: bool,
+    kernel=None,
+    extra_args: tuple = (),
+    **extra_constexprs,
+) -> None:
+    """``_moe_gemm2_kernel``: ``y[row] = act[i] @ w2[e].T`` for the ``i``-th scheduled row (``rows``
+    of them at most). ``kernel`` replaces it by a kernel with the same leading parameters (the
+    expert-parallel push epilogue), ``extra_args`` / ``extra_constexprs`` being its own ones."""
+    num_local, hidden, inter = w2.shape
+    g = _gemm_config(config, act, interpret, GROUP_M=1)
+    bm, bn = g["BLOCK_M"], g["BLOCK_N"]
+    w2_desc = w2
+    if g["USE_TMA"]:
+        if w2.is_contiguous():
+            w2_desc = _descriptor(w2.view(num_local * hidden, inter), [bn, g["BLOCK_K"]])
+        else:
+            g["USE_TMA"] = False
+    num_m = _max_row_tiles(rows, num_local, bm)
+    (_moe_gemm2_kernel if kernel is None else kernel)[(num_m * triton.cdiv(hidden, bn),)](
+        act, w2, w2_desc, y, sorted_rows, counts,
+        num_local, hidden, inter, num_m,
+        w2.stride(0), w2.stride(1), w2.stride(2), *extra_args,
+        E_PAD=_e_pad(num_local),
+        EVEN_K=inter % g["BLOCK_K"] == 0, EVEN_N=hidden % bn == 0,
+        DOT_IEEE=act.dtype == torch.float32 or interpret, DOT_F32=interpret,
+        **extra_constexprs, **g,
+    )
+
+
+def combine_block(hidden: int) -> int:
+    """BLOCK_H of the top-k combine kernels (a program per (token, BLOCK_H columns))."""
+    return min(1024, max(16, triton.next_power_of_2(hidden)))
+
+
 # ----------------------------------------------------------------------------------------------
 # Launcher
 # ----------------------------------------------------------------------------------------------
@@ -446,69 +571,18 @@ def fused_moe_triton(
     num_global = expert_map.numel() if expert_map is not None else num_local
     has_map = expert_map is not None
     emap = expert_map if has_map else topk_ids  # dummy pointer when there is no map
-    e_pad = max(16, triton.next_power_of_2(num_local))
-    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    dot_ieee = hidden_states.dtype == torch.float32 or interpret
+    interpret = _interpreting()
 
     counts = torch.empty(num_local, dtype=torch.int32, device=dev)
     sorted_rows = torch.empty(rows, dtype=torch.int32, device=dev)
     act = torch.empty((rows, inter), dtype=hidden_states.dtype, device=dev)
     y = torch.empty((rows, hidden), dtype=hidden_states.dtype, device=dev)
 
-    _moe_schedule_kernel[(num_local,)](
-        topk_ids, emap, counts, sorted_rows,
-        rows, num_global, num_local, topk_ids.stride(0), topk_ids.stride(1),
-        # Every program scans all rows (twice): wide blocks keep that latency-bound loop short.
-        TOPK=top_k, HAS_MAP=has_map, BLOCK=4096 if rows > 2048 else 256 if rows <= 256 else 1024,
-        num_warps=8 if rows > 2048 else 4,
-    )
-
+    launch_schedule(topk_ids, expert_map, counts, sorted_rows, num_local, num_global)
     g1, g2 = _configs if _configs is not None else pick_configs(tokens, top_k, num_local, hidden, inter)
-    g1, g2 = dict(g1), dict(g2)
-    g1.setdefault("GU_FUSED", False)
-    g1.setdefault("GROUP_M", 1)
-    g2.setdefault("GROUP_M", 1)
-    for g in (g1, g2):
-        # TMA needs compiled code, contiguous weights and 16-byte aligned rows.
-        g["USE_TMA"] = (
-            bool(g.get("USE_TMA", False)) and not interpret and hidden_states.is_cuda
-            and hidden_states.dtype != torch.float32
-        )
-    bm1, bn1 = g1["BLOCK_M"], g1["BLOCK_N"]
-    w13_desc = w13
-    if g1["USE_TMA"]:
-        if w13.is_contiguous() and not g1["GU_FUSED"]:
-            w13_desc = _descriptor(w13.view(num_local * two_i, hidden), [bn1, g1["BLOCK_K"]])
-        else:
-            g1["USE_TMA"] = False
-    num_m1 = _max_row_tiles(rows, num_local, bm1)
-    grid1 = (num_m1 * triton.cdiv(inter, bn1),)
-    _moe_gemm1_kernel[grid1](
-        hidden_states, w13, w13_desc, act, sorted_rows, counts,
-        num_local, hidden, inter, num_m1,
-        hidden_states.stride(0), hidden_states.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
-        TOPK=top_k, E_PAD=e_pad,
-        EVEN_K=hidden % g1["BLOCK_K"] == 0, EVEN_N=inter % bn1 == 0, DOT_IEEE=dot_ieee, DOT_F32=interpret,
-        **g1,
-    )
-    bm2, bn2 = g2["BLOCK_M"], g2["BLOCK_N"]
-    w2_desc = w2
-    if g2["USE_TMA"]:
-        if w2.is_contiguous():
-            w2_desc = _descriptor(w2.view(num_local * hidden, inter), [bn2, g2["BLOCK_K"]])
-        else:
-            g2["USE_TMA"] = False
-    num_m2 = _max_row_tiles(rows, num_local, bm2)
-    grid2 = (num_m2 * triton.cdiv(hidden, bn2),)
-    _moe_gemm2_kernel[grid2](
-        act, w2, w2_desc, y, sorted_rows, counts,
-        num_local, hidden, inter, num_m2,
-        w2.stride(0), w2.stride(1), w2.stride(2),
-        E_PAD=e_pad,
-        EVEN_K=inter % g2["BLOCK_K"] == 0, EVEN_N=hidden % bn2 == 0, DOT_IEEE=dot_ieee, DOT_F32=interpret,
-        **g2,
-    )
-    block_h = min(1024, max(16, triton.next_power_of_2(hidden)))
+    launch_gemm1(hidden_states, w13, act, sorted_rows, counts, rows, top_k, g1, interpret=interpret)
+    launch_gemm2(act, w2, y, sorted_rows, counts, rows, g2, interpret=interpret)
+    block_h = combine_block(hidden)
     _moe_combine_kernel[(tokens, triton.cdiv(hidden, block_h))](
         y, out, topk_ids, topk_weights, emap,
         hidden, num_global, num_local,

@@ -26,7 +26,7 @@ if type(tm._moe_gemm1_kernel).__name__ != "InterpretedFunction":
     tm = importlib.reload(tm)
 from mok_serve.kernels import ep_cuda  # noqa: E402
 
-if type(ep_cuda._ep_sync_kernel).__name__ != "InterpretedFunction" or ep_cuda._moe_gemm1_kernel is not tm._moe_gemm1_kernel:
+if type(ep_cuda._ep_sync_kernel).__name__ != "InterpretedFunction" or ep_cuda._tile_of is not tm._tile_of:
     ep_cuda = importlib.reload(ep_cuda)
 
 HIDDEN, INTER, TOP_K, MAX_T = 32, 16, 4, 8
