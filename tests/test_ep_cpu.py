@@ -5,14 +5,12 @@ expert-parallel workspace and checks the result bitwise against ``fused_moe`` on
 all experts (which is itself checked against float64 in test_reference.py).
 """
 
-import multiprocessing as mp
 import os
-import socket
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
+from rank_runner import run_ranks, spawn_ranks
 
 from mok_serve.kernels import fused_moe
 from mok_serve.kernels.ep_cpu import ExpertPlacement, PeerTimeoutError, SharedMemoryEPWorkspace
@@ -35,43 +33,6 @@ def _global_inputs(seed, tokens_per_rank, num_experts, routing="uniform"):
         ids[:, 1:] = torch.rand(total, num_experts - 1, generator=g).argsort(dim=1)[:, : TOP_K - 1].to(torch.int32)
     weights = torch.rand(total, TOP_K, generator=g)
     return x, w13, w2, weights, ids
-
-
-def _rank_main(rank, world, port, scenario, queue):
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        torch.set_num_threads(1)
-        scenario(rank, world)
-        queue.put((rank, None))
-    except BaseException:
-        queue.put((rank, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def run_ranks(scenario, world, timeout=240):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, scenario, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in range(world):
-            rank, error = queue.get(timeout=timeout)
-            results[rank] = error
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-    failures = {r: e for r, e in results.items() if e}
-    assert not failures, "\n".join(f"rank {r}:\n{e}" for r, e in failures.items())
 
 
 def _workspace(world, num_experts, replicated=False, timeout_s=60.0):
@@ -173,15 +134,8 @@ def test_silent_peer_times_out_with_a_clear_error():
 
 
 def test_killed_peer_times_out_with_a_clear_error():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, scenario_killed_peer, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    rank, error = queue.get(timeout=120)
+    procs, queue = spawn_ranks(scenario_killed_peer, 2)
+    rank, error, _ = queue.get(timeout=120)
     for p in procs:
         p.join(30)
     assert rank == 0 and error is None, error

@@ -7,12 +7,10 @@ against the torch reference within bf16 tolerance. Run with ``pytest -m gpu`` on
 NVSHMEM_DISABLE_NVLS=1).
 """
 
-import multiprocessing as mp
 import os
-import socket
-import traceback
 
 import pytest
+import rank_runner
 import torch
 
 pytestmark = pytest.mark.gpu
@@ -27,47 +25,8 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 WORLD = 2
 
 
-def _rank_main(rank, world, port, scenario, queue):
-    import torch.distributed as dist
-
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
-        log = scenario(rank, world)
-        queue.put((rank, None, log))
-    except BaseException:
-        queue.put((rank, traceback.format_exc(), ""))
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def run_ranks(scenario, world=WORLD, timeout=600):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, scenario, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in range(world):
-            rank, error, log = queue.get(timeout=timeout)
-            results[rank] = error
-            if log:
-                print(f"rank {rank}:\n{log}")
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    failures = {r: e for r, e in results.items() if e}
-    assert not failures, "\n".join(f"rank {r}:\n{e}" for r, e in failures.items())
+def run_ranks(scenario, world=WORLD):
+    rank_runner.run_ranks(scenario, world, backend="nccl", timeout=600, join_timeout=30)
 
 
 def global_inputs(seed, counts, num_experts, hidden, inter, top_k, routing="uniform"):
