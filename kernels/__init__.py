@@ -2,18 +2,21 @@
 
 ``fused_moe`` is one torch custom op, ``torch.ops.mok_serve.fused_moe``, so that Dynamo (which
 vLLM uses to compile models) treats it as a single opaque call: on CUDA tensors it runs the
-Triton kernels, elsewhere the torch reference. Both compute the function documented in
-``reference.py``.
+Triton kernels, on CPU tensors the C++ kernel of ``cpu_moe.py``, elsewhere the torch reference.
+All compute the function documented in ``reference.py``.
 """
 
 import torch
 
+from .fp8 import BLOCK_SHAPE, as_block_shape, fused_moe_fp8_reference
 from .reference import check_fused_moe_args, fused_moe_reference
 from .routing import grouped_sigmoid_topk, softmax_topk
 
 __all__ = [
     "check_fused_moe_args",
     "fused_moe",
+    "fused_moe_fp8",
+    "fused_moe_fp8_reference",
     "fused_moe_reference",
     "grouped_sigmoid_topk",
     "softmax_topk",
@@ -36,6 +39,10 @@ def _fused_moe_op(
         return fused_moe_triton(
             hidden_states, w13, w2, topk_weights, topk_ids, expert_map=expert_map, activation=activation
         )
+    if hidden_states.device.type == "cpu":
+        from .cpu_moe import fused_moe_cpu
+
+        return fused_moe_cpu(hidden_states, w13, w2, topk_weights, topk_ids, expert_map=expert_map, activation=activation)
     return fused_moe_reference(
         hidden_states, w13, w2, topk_weights, topk_ids, expert_map=expert_map, activation=activation
     )
@@ -65,3 +72,56 @@ def fused_moe(
     Bad arguments raise ``ValueError`` naming the problem.
     """
     return torch.ops.mok_serve.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, expert_map, activation)
+
+
+@torch.library.custom_op("mok_serve::fused_moe_fp8", mutates_args=())
+def _fused_moe_fp8_op(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    activation: str,
+    block_shape: list[int],
+) -> torch.Tensor:
+    args = (hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids)
+    kwargs = dict(expert_map=expert_map, activation=activation, block_shape=tuple(block_shape))
+    if hidden_states.is_cuda:
+        from .triton_moe_fp8 import fused_moe_fp8_triton
+
+        return fused_moe_fp8_triton(*args, **kwargs)
+    return fused_moe_fp8_reference(*args, **kwargs)
+
+
+@_fused_moe_fp8_op.register_fake
+def _fused_moe_fp8_shape(hidden_states, *args):
+    return torch.empty_like(hidden_states)
+
+
+def fused_moe_fp8(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    expert_map: torch.Tensor | None = None,
+    activation: str = "silu",
+    block_shape: tuple[int, int] = BLOCK_SHAPE,
+) -> torch.Tensor:
+    """Routed experts of one MoE layer with block-scaled FP8 weights: ``[T, H]`` in the input dtype.
+
+    As ``fused_moe``, with ``w13`` / ``w2`` in ``torch.float8_e4m3fn`` and fp32 ``w13_scale``
+    ``[E_local, ceil(2I/bn), ceil(H/bk)]`` / ``w2_scale`` ``[E_local, ceil(H/bn), ceil(I/bk)]``, one
+    per ``block_shape = (bn, bk)`` block (multiply to dequantize). Activations are quantized per
+    token in groups of ``bk`` columns. The Triton kernels (CUDA) need ``bk = 128``.
+    """
+    return torch.ops.mok_serve.fused_moe_fp8(
+        hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, expert_map, activation,
+        list(as_block_shape(block_shape)),
+    )

@@ -1,0 +1,186 @@
+"""Block-scaled FP8 experts (DeepSeek-V3 / Kimi-K2 checkpoints): quantization helpers and the
+reference semantics of the FP8 MoE layer, in plain torch, on any device.
+
+Format. Expert weights are ``torch.float8_e4m3fn`` with one fp32 scale per ``block_shape``
+(default 128 x 128) block of each expert's ``[N, K]`` matrix (the checkpoints' ``weight_scale_inv``:
+multiply to dequantize). Activations are quantized dynamically per token in groups of
+``block_shape[1]`` columns (the weights' K block), one fp32 scale per group.
+
+Rounding (the same in the Triton kernels, bit for bit): ``scale = max(amax, AMAX_FLOOR) / 448``
+in fp32, ``q = round_to_nearest_even_e4m3(x / scale)`` with an IEEE fp32 division. ``|x| <= amax``
+so ``|x / scale| <= 448`` up to one fp32 rounding, which rounds back to 448: no clamp or saturation
+is ever needed. ``AMAX_FLOOR`` keeps the scale of an all-zero (or denormal) group positive and
+normal; a NaN anywhere in a group makes its scale NaN, so NaN is never hidden.
+
+``fused_moe_fp8_reference`` computes the function of ``fused_moe_reference`` (reference.py: same
+layouts, expert_map, rounding of gate/up, activation and expert outputs to the input dtype, fp32
+top-k sum in k order) with FP8 operands:
+
+    xq = quantize per token (1 x 128 groups)(hidden_states)
+    gate_up = dequant(xq) @ dequant(w13[e]).T          fp32 accumulation, rounded to the input dtype
+    act = silu(gate) * up                              rounded to the input dtype
+    y = dequant(quantize per row(act)) @ dequant(w2[e]).T   rounded to the input dtype
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .reference import ROW_ALIGN_CPU, check_fused_moe_args, combine_topk, local_expert_ids
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+AMAX_FLOOR = 1e-10
+BLOCK_SHAPE = (128, 128)
+
+__all__ = [
+    "BLOCK_SHAPE",
+    "FP8_DTYPE",
+    "as_block_shape",
+    "check_fused_moe_fp8_args",
+    "dequantize_fp8_blocks",
+    "dequantize_fp8_groups",
+    "fused_moe_fp8_reference",
+    "quantize_fp8_blocks",
+    "quantize_fp8_groups",
+]
+
+
+def _blocks_view(t: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """``[..., N, K]`` zero-padded to whole blocks, viewed as ``[..., N/bn, bn, K/bk, bk]``."""
+    bn, bk = block
+    n, k = t.shape[-2:]
+    padded = F.pad(t, (0, -k % bk, 0, -n % bn))
+    return padded.view(*t.shape[:-2], padded.shape[-2] // bn, bn, padded.shape[-1] // bk, bk)
+
+
+def _expand_scale(scale: torch.Tensor, block: tuple[int, int], n: int, k: int) -> torch.Tensor:
+    return scale.repeat_interleave(block[0], -2).repeat_interleave(block[1], -1)[..., :n, :k]
+
+
+def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = BLOCK_SHAPE) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` ``[..., N, K]`` -> (``q`` e4m3 ``[..., N, K]``, ``scale`` fp32 ``[..., ceil(N/bn), ceil(K/bk)]``)
+    with ``w ~= q.float() * scale`` expanded over each ``bn x bk`` block (rounding: module docstring)."""
+    n, k = w.shape[-2:]
+    amax = _blocks_view(w.float().abs(), block).amax(dim=(-3, -1))
+    scale = torch.where(amax < AMAX_FLOOR, AMAX_FLOOR, amax) / FP8_MAX
+    q = (w.float() / _expand_scale(scale, block, n, k)).to(FP8_DTYPE)
+    return q, scale
+
+
+def dequantize_fp8_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = BLOCK_SHAPE) -> torch.Tensor:
+    """fp32 ``q * scale``, each scale expanded over its block."""
+    return q.float() * _expand_scale(scale, block, *q.shape[-2:])
+
+
+def quantize_fp8_groups(x: torch.Tensor, group: int = BLOCK_SHAPE[1]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token quantization of ``x`` ``[T, K]`` in groups of ``group`` columns: (``q`` e4m3
+    ``[T, K]``, ``scale`` fp32 ``[T, ceil(K/group)]``). The 1 x group case of ``quantize_fp8_blocks``."""
+    return quantize_fp8_blocks(x, (1, group))
+
+
+def dequantize_fp8_groups(q: torch.Tensor, scale: torch.Tensor, group: int = BLOCK_SHAPE[1]) -> torch.Tensor:
+    return dequantize_fp8_blocks(q, scale, (1, group))
+
+
+def as_block_shape(block_shape) -> tuple[int, int]:
+    """``block_shape`` as ``(N block, K block)``; ``ValueError`` unless two positive ints."""
+    if (
+        not isinstance(block_shape, (tuple, list))
+        or len(block_shape) != 2
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block_shape)
+    ):
+        raise ValueError(f"block_shape must be two positive ints (N block, K block), got {block_shape!r}")
+    return int(block_shape[0]), int(block_shape[1])
+
+
+def _shape_stand_in(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor with ``w``'s shape and device and ``dtype``, without memory (one expanded element),
+    so reference.py's argument checks apply unchanged to FP8 weights."""
+    return torch.empty((), dtype=dtype, device=w.device).expand(w.shape)
+
+
+def check_fused_moe_fp8_args(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    activation: str,
+    block_shape,
+    *,
+    check_values: bool = True,
+) -> tuple[int, int]:
+    """``check_fused_moe_args`` for FP8 experts, plus the weights' dtype and the scales' shape,
+    dtype and device. Raises ``ValueError`` naming the first problem; returns the block shape."""
+    bn, bk = as_block_shape(block_shape)
+    if w13.dtype != FP8_DTYPE or w2.dtype != FP8_DTYPE:
+        raise ValueError(f"FP8 experts need w13 and w2 in {FP8_DTYPE}; got w13 {w13.dtype}, w2 {w2.dtype}")
+    check_fused_moe_args(
+        hidden_states,
+        _shape_stand_in(w13, hidden_states.dtype),
+        _shape_stand_in(w2, hidden_states.dtype),
+        topk_weights, topk_ids, expert_map, activation, check_values=check_values,
+    )
+    for name, scale, w in (("w13_scale", w13_scale, w13), ("w2_scale", w2_scale, w2)):
+        expected = (w.shape[0], math.ceil(w.shape[1] / bn), math.ceil(w.shape[2] / bk))
+        if scale.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32, got {scale.dtype}")
+        if tuple(scale.shape) != expected:
+            raise ValueError(
+                f"{name} shape {tuple(scale.shape)} does not match {name[:-6]} {tuple(w.shape)} with "
+                f"{bn}x{bk} blocks: expected {expected}"
+            )
+        if scale.device != hidden_states.device:
+            raise ValueError(f"{name} is on {scale.device} but hidden_states is on {hidden_states.device}")
+    return bn, bk
+
+
+def _rows_mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``a @ w.T`` in fp32 with the rows zero-padded to a multiple of 8: CPU BLAS picks its kernel by
+    row count and gives every row the same bits only from 8 rows on (see reference.py)."""
+    rows = a.shape[0]
+    return torch.mm(F.pad(a, (0, 0, 0, -rows % ROW_ALIGN_CPU)), w.t())[:rows]
+
+
+def fused_moe_fp8_reference(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    expert_map: torch.Tensor | None = None,
+    activation: str = "silu",
+    block_shape=BLOCK_SHAPE,
+) -> torch.Tensor:
+    """The FP8 MoE layer's routed experts, ``[T, H]`` in the input dtype (see the module docstring).
+
+    One expert at a time (its weights dequantized to fp32 only while it runs), its rows in token
+    order, so a row's result depends on that row alone: batch invariant and deterministic.
+    """
+    block = check_fused_moe_fp8_args(
+        hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, expert_map, activation, block_shape
+    )
+    dtype = hidden_states.dtype
+    tokens, hidden = hidden_states.shape
+    top_k = topk_ids.shape[1]
+    x = dequantize_fp8_groups(*quantize_fp8_groups(hidden_states, block[1]), block[1])
+    row_expert = local_expert_ids(topk_ids, expert_map)
+    y = torch.zeros(tokens * top_k, hidden, dtype=dtype, device=hidden_states.device)
+    for e in row_expert.unique().tolist():
+        if e < 0:
+            continue
+        rows = (row_expert == e).nonzero().squeeze(1)  # in (token, k) order
+        gate_up = _rows_mm(x[rows // top_k], dequantize_fp8_blocks(w13[e], w13_scale[e], block))
+        gate, up = gate_up.to(dtype).float().chunk(2, dim=-1)
+        act = (F.silu(gate) * up).to(dtype)
+        act = dequantize_fp8_groups(*quantize_fp8_groups(act, block[1]), block[1])
+        y[rows] = _rows_mm(act, dequantize_fp8_blocks(w2[e], w2_scale[e], block)).to(dtype)
+    return combine_topk(y.view(tokens, top_k, hidden), topk_weights).to(dtype)

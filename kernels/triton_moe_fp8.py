@@ -1,0 +1,364 @@
+"""Triton fused MoE with block-scaled FP8 experts (Hopper FP8 tensor cores), one GPU.
+
+Computes the function of ``fp8.fused_moe_fp8_reference`` with the structure of ``triton_moe.py``
+(whose schedule, tile mapping and combine kernels it reuses) in four launches, no host sync:
+
+1. ``_fp8_schedule_quantize_kernel`` -- programs ``< E_local`` run ``triton_moe``'s prefix-sum
+   schedule; the others quantize ``hidden_states`` per token in 1 x 128 groups into ``xq`` (e4m3)
+   and ``xs`` (fp32). Quantizing once here instead of in GEMM1's K loop does the division once per
+   element instead of once per (element, top-k slot, column tile) -- 128x fewer at DeepSeek-V3
+   (K=8, 16 column tiles) -- and halves GEMM1's A-gather bytes; the quantize programs run beside
+   the latency-bound schedule programs, so it costs no extra launch.
+2. ``_fp8_gemm1_kernel`` -- grouped GEMM over ``w13``: A rows gathered from ``xq`` by token index,
+   gate and up rows interleaved into one ``[128, 2*128]`` B tile, and per 128-wide K block
+   ``acc += dot(a, b) * xs[row] * w13_scale[col block]`` (the fp8 partial products of one K block
+   are scaled in fp32 before they join the accumulator; the tensor core only ever sums 128
+   products). Epilogue: gate/up rounded to the input dtype, ``silu(gate) * up`` rounded to the input
+   dtype, then quantized per row over the tile's 128 columns -- exactly one activation group, which
+   is why GEMM1's column tile is always 128 -- into ``act_q`` (e4m3) and ``act_s`` (fp32).
+3. ``_fp8_gemm2_kernel`` -- grouped GEMM over ``w2`` on ``act_q`` with the same per-K-block scaling,
+   each output row rounded to the input dtype and scattered to its (token, k) slot of ``y``.
+4. ``triton_moe._moe_combine_kernel`` -- fp32 weighted top-k sum in k order.
+
+Quantization (both places) is ``fp8.py``'s rounding bit for bit: IEEE division (``tl.div_rn``, not
+the approximate ``/``), round to nearest even, NaN propagated into the group's scale.
+Batch invariance: BLOCK_K = 128 everywhere, K blocks in increasing order on one fp32 accumulator,
+no split-K, block sizes from static shapes only, BLOCK_M >= 64 (always wgmma). Out-of-range ids and
+non-local experts are masked by the reused schedule/combine kernels; eagerly the launcher raises.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .fp8 import AMAX_FLOOR, BLOCK_SHAPE, FP8_DTYPE, FP8_MAX, check_fused_moe_fp8_args
+from .triton_moe import _cast, _moe_combine_kernel, _moe_schedule_kernel, _program_tile, _tile_of
+
+__all__ = ["fused_moe_fp8_triton", "pick_configs_fp8"]
+
+GROUP = 128  # activation group = weight K block = every GEMM's BLOCK_K = GEMM1's column tile
+_GROUP = tl.constexpr(GROUP)
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _to_fp8(x, RNE_FIX: tl.constexpr):
+    """fp32 -> e4m3, round to nearest even. The interpreter (``RNE_FIX``) rounds this cast wrongly
+    (no carry into the exponent, ties away), so round to the e4m3 grid in fp32 first: normals keep 3
+    mantissa bits, subnormals (< 2**-6) snap to multiples of 2**-9; the cast is then exact."""
+    if RNE_FIX:
+        bits = x.to(tl.uint32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+        subnormal = (x + 24576.0) - 24576.0  # 1.5 * 2**14: fp32 spacing 2**-9 around it
+        x = tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _quantize_rows(v, RNE_FIX: tl.constexpr):
+    """(e4m3 ``v / scale``, ``scale``) per row of a ``[R, 128]`` fp32 tile, as ``fp8.quantize_fp8_groups``."""
+    amax = tl.reduce(tl.abs(v), 1, _max_nan)
+    scale = tl.div_rn(tl.where(amax < _AMAX_FLOOR, _AMAX_FLOOR, amax), _FP8_MAX)
+    return _to_fp8(tl.div_rn(v, scale[:, None]), RNE_FIX), scale
+
+
+@triton.jit
+def _fp8_schedule_quantize_kernel(
+    topk_ids_ptr, expert_map_ptr, counts_ptr, sorted_rows_ptr,
+    num_rows, num_global, num_local, stride_it, stride_ik,
+    x_ptr, xq_ptr, xs_ptr, tokens, H, stride_xt, stride_xh,
+    TOPK: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, QROWS: tl.constexpr,
+    RNE_FIX: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if pid < num_local:
+        _moe_schedule_kernel(
+            topk_ids_ptr, expert_map_ptr, counts_ptr, sorted_rows_ptr,
+            num_rows, num_global, num_local, stride_it, stride_ik, TOPK, HAS_MAP, BLOCK,
+        )
+    else:
+        # One [QROWS tokens, 128 columns] tile of hidden_states per program.
+        num_g = tl.cdiv(H, _GROUP)
+        q = pid - num_local
+        g = q % num_g
+        offs_t = (q // num_g) * QROWS + tl.arange(0, QROWS)
+        offs_c = g * _GROUP + tl.arange(0, _GROUP)
+        t_ok = offs_t < tokens
+        ok = t_ok[:, None] & (offs_c < H)[None, :]
+        t64 = offs_t.to(tl.int64)
+        v = tl.load(x_ptr + t64[:, None] * stride_xt + offs_c[None, :] * stride_xh, mask=ok, other=0.0)
+        xq, xs = _quantize_rows(v.to(tl.float32), RNE_FIX)
+        tl.store(xq_ptr + t64[:, None] * H + offs_c[None, :], xq, mask=ok)
+        tl.store(xs_ptr + t64 * num_g + g, xs, mask=t_ok)
+
+
+@triton.jit
+def _fp8_gemm1_kernel(
+    xq_ptr, xs_ptr, w_ptr, ws_ptr, actq_ptr, acts_ptr, sorted_rows_ptr, counts_ptr,
+    num_local, H, I, num_m,
+    stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+    IN_DTYPE: tl.constexpr, TOPK: tl.constexpr, E_PAD: tl.constexpr, SCALE_BN: tl.constexpr,
+    BLOCK_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, GROUP_M: tl.constexpr,
+    RNE_FIX: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(I, _GROUP)
+    pid_m, pid_n = _program_tile(pid, num_m, num_n, GROUP_M)
+    total, e, m0, count_e, start_e = _tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M)
+    if pid_m < total:
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < count_e
+        rows = tl.load(sorted_rows_ptr + start_e + offs_m, mask=row_ok, other=0)
+        tok = (rows // TOPK).to(tl.int64)
+        offs_k = tl.arange(0, _GROUP)
+        # Columns of the B tile interleave gate row n and up row I + n of w13 (one dot for both).
+        offs_j = tl.arange(0, 2 * _GROUP)
+        n_j = pid_n * _GROUP + offs_j // 2
+        nj_ok = n_j < I
+        w_row = n_j + (offs_j % 2) * I
+        e64 = e.to(tl.int64)
+        a_ptrs = xq_ptr + tok[:, None] * H + offs_k[None, :]
+        as_ptrs = xs_ptr + tok * tl.cdiv(H, _GROUP)
+        w_ptrs = w_ptr + e64 * stride_we + w_row[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        ws_ptrs = ws_ptr + e64 * stride_se + (w_row // SCALE_BN) * stride_sn
+        acc = tl.zeros([BLOCK_M, 2 * _GROUP], dtype=tl.float32)
+        for kb in range(0, tl.cdiv(H, _GROUP)):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                if EVEN_N:
+                    b = tl.load(w_ptrs)
+                else:
+                    b = tl.load(w_ptrs, mask=nj_ok[None, :], other=0.0)
+            else:
+                k_ok = offs_k < H - kb * _GROUP
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(w_ptrs, mask=k_ok[:, None] & nj_ok[None, :], other=0.0)
+            sa = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
+            sb = tl.load(ws_ptrs + kb * stride_sk, mask=nj_ok, other=0.0)
+            acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+            a_ptrs += _GROUP
+            w_ptrs += _GROUP * stride_wk
+        # Same rounding points as the reference: gate/up, then SiLU*up, in the input dtype.
+        acc_g, acc_u = tl.split(tl.reshape(acc, [BLOCK_M, _GROUP, 2]))
+        gate = _cast(acc_g, IN_DTYPE, RNE_FIX).to(tl.float32)
+        up = _cast(acc_u, IN_DTYPE, RNE_FIX).to(tl.float32)
+        h = _cast(gate / (1.0 + tl.exp(-gate)) * up, IN_DTYPE, RNE_FIX).to(tl.float32)
+        offs_n = pid_n * _GROUP + tl.arange(0, _GROUP)
+        n_ok = offs_n < I
+        act_q, act_s = _quantize_rows(tl.where(n_ok[None, :], h, 0.0), RNE_FIX)
+        dst = (start_e + offs_m).to(tl.int64)
+        tl.store(actq_ptr + dst[:, None] * I + offs_n[None, :], act_q, mask=row_ok[:, None] & n_ok[None, :])
+        tl.store(acts_ptr + dst * num_n + pid_n, act_s, mask=row_ok)
+
+
+@triton.jit
+def _fp8_gemm2_kernel(
+    actq_ptr, acts_ptr, w_ptr, w_desc, ws_ptr, y_ptr, sorted_rows_ptr, counts_ptr,
+    num_local, H, I, num_m,
+    stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+    E_PAD: tl.constexpr, SCALE_BN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, GROUP_M: tl.constexpr,
+    RNE_FIX: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(H, BLOCK_N)
+    pid_m, pid_n = _program_tile(pid, num_m, num_n, GROUP_M)
+    total, e, m0, count_e, start_e = _tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M)
+    if pid_m < total:
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < count_e
+        rows = tl.load(sorted_rows_ptr + start_e + offs_m, mask=row_ok, other=0)
+        offs_k = tl.arange(0, _GROUP)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < H
+        e64 = e.to(tl.int64)
+        src = (start_e + offs_m).to(tl.int64)
+        a_ptrs = actq_ptr + src[:, None] * I + offs_k[None, :]
+        as_ptrs = acts_ptr + src * tl.cdiv(I, _GROUP)
+        w_ptrs = w_ptr + e64 * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        # (masked by n_ok: TMA tiles of the last expert reach past its scale rows)
+        ws_ptrs = ws_ptr + e64 * stride_se + (offs_n // SCALE_BN) * stride_sn
+        row_w = e * H + pid_n * BLOCK_N  # row of w2 viewed as [E*H, I] (TMA path)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for kb in range(0, tl.cdiv(I, _GROUP)):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            else:
+                k_ok = offs_k < I - kb * _GROUP
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if USE_TMA:
+                # Rows past H spill into the next expert (masked at the store); past the tensor: zeros.
+                b = w_desc.load([row_w, kb * _GROUP]).T
+            elif EVEN_K:
+                if EVEN_N:
+                    b = tl.load(w_ptrs)
+                else:
+                    b = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            sa = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
+            sb = tl.load(ws_ptrs + kb * stride_sk, mask=n_ok, other=0.0)
+            acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+            a_ptrs += _GROUP
+            w_ptrs += _GROUP * stride_wk
+        # Scatter each row to its (token, k) slot: y is [T*K, H] in row order.
+        y_ptrs = y_ptr + rows[:, None].to(tl.int64) * H + offs_n[None, :]
+        tl.store(y_ptrs, _cast(acc, y_ptr.dtype.element_ty, RNE_FIX), mask=row_ok[:, None] & n_ok[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# Configuration: a function of static shapes only (tokens, top_k, experts, hidden, intermediate).
+# ----------------------------------------------------------------------------------------------
+
+
+def pick_configs_fp8(tokens: int, top_k: int, num_local: int, hidden: int, inter: int) -> tuple[dict, dict]:
+    """(GEMM1 config, GEMM2 config); depends on shapes only, never on device values.
+
+    Fixed by the format: BLOCK_K = 128 (one scale block per dot) and GEMM1's column tile = 128 (one
+    activation group), so the K order never depends on the batch. Each K block keeps its dot result
+    beside the fp32 accumulator, so a ``[BM, BN]`` tile costs ``2*BM*BN/threads`` registers per
+    thread; the warps are chosen to keep that at 128 (GEMM1's fused gate/up tile is 256 wide: 8 warps
+    at BM = 64). Regimes by average rows per expert, as ``triton_moe.pick_configs``: up to 48 rows,
+    weight streaming (64-row tiles, GEMM2 columns narrowed until >= 264 programs read weights,
+    deeper pipelines); beyond, 128-row GEMM2 tiles with grouped program order. FP8 tiles are half
+    the bytes of bf16 ones, so the same shared memory holds one more stage. Not yet measured.
+    """
+    avg = tokens * top_k / max(num_local, 1)
+    if avg <= 48:
+        busy = max(1, min(tokens * top_k, num_local))
+        bn2 = 128
+        while bn2 > 32 and busy * triton.cdiv(hidden, bn2) < 264:
+            bn2 //= 2
+        g1 = dict(BLOCK_M=64, num_warps=8, num_stages=4, GROUP_M=1)
+        g2 = dict(BLOCK_M=64, BLOCK_N=bn2, num_warps=4, num_stages=5, USE_TMA=True, GROUP_M=1)
+    else:
+        g1 = dict(BLOCK_M=64, num_warps=8, num_stages=3, GROUP_M=4)
+        g2 = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4, USE_TMA=True, GROUP_M=4)
+    return g1, g2
+
+
+def _row_tiles(rows: int, num_local: int, block_m: int) -> int:
+    # Worst case: sum_e ceil(c_e / BM) <= floor(sum_e c_e / BM) + (number of non-empty experts).
+    return rows // block_m + min(num_local, rows)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------------------------
+
+
+def fused_moe_fp8_triton(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    expert_map: torch.Tensor | None = None,
+    activation: str = "silu",
+    block_shape=BLOCK_SHAPE,
+    _configs: tuple[dict, dict] | None = None,
+) -> torch.Tensor:
+    """The FP8 MoE layer's routed experts (see ``fp8.py``) in four Triton launches.
+
+    No host synchronisation, except the eager range check of ``topk_ids`` / ``expert_map`` (skipped
+    while a CUDA graph is being captured). ``_configs`` overrides the block sizes (benchmark sweeps).
+    """
+    capturing = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
+    bn_scale, bk_scale = check_fused_moe_fp8_args(
+        hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, expert_map, activation,
+        block_shape, check_values=not capturing,
+    )
+    if bk_scale != GROUP:
+        raise ValueError(f"the Triton FP8 kernels need a K block of {GROUP} (block_shape[1]), got {bk_scale}")
+    tokens, hidden = hidden_states.shape
+    num_local, two_i, _ = w13.shape
+    inter = two_i // 2
+    top_k = topk_ids.shape[1]
+    dtype, dev = hidden_states.dtype, hidden_states.device
+    out = torch.empty((tokens, hidden), dtype=dtype, device=dev)
+    if tokens == 0:
+        return out
+    if top_k == 0 or num_local == 0 or inter == 0:
+        return out.zero_()
+    rows = tokens * top_k
+    num_global = expert_map.numel() if expert_map is not None else num_local
+    has_map = expert_map is not None
+    emap = expert_map if has_map else topk_ids  # dummy pointer when there is no map
+    e_pad = max(16, triton.next_power_of_2(num_local))
+    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+    counts = torch.empty(num_local, dtype=torch.int32, device=dev)
+    sorted_rows = torch.empty(rows, dtype=torch.int32, device=dev)
+    xq = torch.empty((tokens, hidden), dtype=FP8_DTYPE, device=dev)
+    xs = torch.empty((tokens, triton.cdiv(hidden, GROUP)), dtype=torch.float32, device=dev)
+    act_q = torch.empty((rows, inter), dtype=FP8_DTYPE, device=dev)
+    act_s = torch.empty((rows, triton.cdiv(inter, GROUP)), dtype=torch.float32, device=dev)
+    y = torch.empty((rows, hidden), dtype=dtype, device=dev)
+
+    qrows = 32
+    quant_programs = triton.cdiv(tokens, qrows) * triton.cdiv(hidden, GROUP)
+    _fp8_schedule_quantize_kernel[(num_local + quant_programs,)](
+        topk_ids, emap, counts, sorted_rows,
+        rows, num_global, num_local, topk_ids.stride(0), topk_ids.stride(1),
+        hidden_states, xq, xs, tokens, hidden, hidden_states.stride(0), hidden_states.stride(1),
+        # Every schedule program scans all rows (twice): wide blocks keep that loop short.
+        TOPK=top_k, HAS_MAP=has_map, BLOCK=4096 if rows > 2048 else 256 if rows <= 256 else 1024,
+        QROWS=qrows, RNE_FIX=interpret, num_warps=8 if rows > 2048 else 4,
+    )
+
+    g1, g2 = _configs if _configs is not None else pick_configs_fp8(tokens, top_k, num_local, hidden, inter)
+    g1, g2 = dict(g1), dict(g2)
+    g1.setdefault("GROUP_M", 1)
+    g2.setdefault("GROUP_M", 1)
+    scale_args = lambda s: (s.stride(0), s.stride(1), s.stride(2))  # noqa: E731
+    num_m1 = _row_tiles(rows, num_local, g1["BLOCK_M"])
+    _fp8_gemm1_kernel[(num_m1 * triton.cdiv(inter, GROUP),)](
+        xq, xs, w13, w13_scale, act_q, act_s, sorted_rows, counts,
+        num_local, hidden, inter, num_m1,
+        w13.stride(0), w13.stride(1), w13.stride(2), *scale_args(w13_scale),
+        IN_DTYPE=_TL_DTYPES[dtype], TOPK=top_k, E_PAD=e_pad, SCALE_BN=bn_scale,
+        EVEN_K=hidden % GROUP == 0, EVEN_N=inter % GROUP == 0, RNE_FIX=interpret, **g1,
+    )
+    bn2 = g2["BLOCK_N"]
+    # TMA needs compiled code, contiguous weights and 16-byte aligned rows.
+    g2["USE_TMA"] = bool(g2.get("USE_TMA")) and not interpret and w2.is_contiguous() and inter % 16 == 0
+    w2_desc = w2
+    if g2["USE_TMA"]:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        w2_desc = TensorDescriptor.from_tensor(w2.view(num_local * hidden, inter), [bn2, GROUP])
+    num_m2 = _row_tiles(rows, num_local, g2["BLOCK_M"])
+    _fp8_gemm2_kernel[(num_m2 * triton.cdiv(hidden, bn2),)](
+        act_q, act_s, w2, w2_desc, w2_scale, y, sorted_rows, counts,
+        num_local, hidden, inter, num_m2,
+        w2.stride(0), w2.stride(1), w2.stride(2), *scale_args(w2_scale),
+        E_PAD=e_pad, SCALE_BN=bn_scale,
+        EVEN_K=inter % GROUP == 0, EVEN_N=hidden % bn2 == 0, RNE_FIX=interpret, **g2,
+    )
+    block_h = min(1024, max(16, triton.next_power_of_2(hidden)))
+    _moe_combine_kernel[(tokens, triton.cdiv(hidden, block_h))](
+        y, out, topk_ids, topk_weights, emap,
+        hidden, num_global, num_local,
+        topk_ids.stride(0), topk_ids.stride(1), topk_weights.stride(0), topk_weights.stride(1), out.stride(0),
+        TOPK=top_k, HAS_MAP=has_map, BLOCK_H=block_h, RNE_FIX=interpret, num_warps=4,
+    )
+    return out
