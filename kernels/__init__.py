@@ -2,9 +2,10 @@
 
 ``fused_moe`` is one torch custom op, ``torch.ops.mok_serve.fused_moe``, so that Dynamo (which
 vLLM uses to compile models) treats it as a single opaque call: on CUDA tensors it runs the
-Triton kernels, elsewhere the torch reference. Both compute the function documented in
-``reference.py``. ``fused_moe_fp8`` (``torch.ops.mok_serve.fused_moe_fp8``) is the same for
-block-scaled FP8 experts (``fp8.py``; Triton kernels in ``triton_moe_fp8.py``).
+Triton kernels, on CPU tensors the C++ kernel of ``cpu_moe.py``, elsewhere the torch reference.
+All compute the function documented in ``reference.py``. ``fused_moe_fp8``
+(``torch.ops.mok_serve.fused_moe_fp8``) is the same for block-scaled FP8 experts (``fp8.py``;
+Triton kernels in ``triton_moe_fp8.py``).
 """
 
 import torch
@@ -40,6 +41,10 @@ def _fused_moe_op(
         return fused_moe_triton(
             hidden_states, w13, w2, topk_weights, topk_ids, expert_map=expert_map, activation=activation
         )
+    if hidden_states.device.type == "cpu":
+        from .cpu_moe import fused_moe_cpu
+
+        return fused_moe_cpu(hidden_states, w13, w2, topk_weights, topk_ids, expert_map=expert_map, activation=activation)
     return fused_moe_reference(
         hidden_states, w13, w2, topk_weights, topk_ids, expert_map=expert_map, activation=activation
     )

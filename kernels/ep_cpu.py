@@ -34,7 +34,8 @@ from multiprocessing import resource_tracker, shared_memory
 import torch
 import torch.distributed as dist
 
-from .reference import check_fused_moe_args, combine_topk, run_experts
+from .cpu_moe import combine_topk, expert_rows
+from .reference import check_fused_moe_args
 
 POSTED, COMPUTED, NUM_TOKENS = 0, 1, 2
 FLAG_SLOTS = 8
@@ -238,7 +239,7 @@ class SharedMemoryEPWorkspace:
                 [self.segments[s].x[pulled_token[pulled_source == s]] for s in range(self.world_size)]
             )
         local_expert = self.placement.local[row_expert[owned]].long()
-        me.y[: int(owned.sum())] = run_experts(pulled, row_of_token, local_expert, w13, w2)
+        me.y[: int(owned.sum())] = expert_rows(pulled, row_of_token, local_expert, w13, w2)
         me.flags[COMPUTED] = epoch
         self._wait_for_peers(COMPUTED, epoch, "finish its experts", layer)
 
@@ -250,4 +251,4 @@ class SharedMemoryEPWorkspace:
             from_r = owner == r
             results[from_r] = self.segments[r].y[position[from_r]]
         self.epoch = epoch
-        return combine_topk(results.view(tokens, self.top_k, self.hidden), topk_weights).to(self.dtype)
+        return combine_topk(results.view(tokens, self.top_k, self.hidden), topk_weights)

@@ -20,8 +20,9 @@ shares the call. On the CPU the GEMMs run in float32 on exactly upcast operands 
 function as a bf16/fp16 GEMM with fp32 accumulation): CPUs without native bf16 matmul convert
 the weights on every bf16 call, and float32 BLAS picks its kernel by row count (one row, two or
 three, more) but gives every row the same result once the count is a multiple of 8, so each
-expert's rows are padded to a multiple of 8. For the same reason the weights may be given in
-float32 on the CPU (an exact upcast copy kept by the caller, as the vLLM glue does).
+expert's rows are padded to a multiple of 8. The weights may also be given in float32 on the
+CPU (an exact upcast copy). ``fused_moe`` on CPU tensors runs the faster C++ kernel of
+``cpu_moe.py``, which computes the same function.
 """
 
 import torch

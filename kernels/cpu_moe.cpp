@@ -1,0 +1,256 @@
+// The kittens MoE layer on the CPU: expert rows and the fixed-order top-k combine.
+//
+// Computes the function documented in reference.py. What makes it batch invariant: every output
+// element of a GEMM is summed over k in order, k = 0 first (`gemm_rows`), on every code path. No
+// BLAS library picks a kernel by row count, so a row's result never depends on how many rows
+// share its expert or the call. Built with -ffp-contract=off: the compiler must not fuse a
+// multiply and an add in one code path and not in another.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+// Eight floats, one AVX register; GCC/Clang vector extensions keep this portable.
+typedef float vec8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+constexpr int ROW_BLOCK = 4;  // rows of one expert computed together, sharing weight loads
+
+inline vec8 load8(const float* p) {
+  vec8 v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// bfloat16 is the top half of a float32: widen and shift, exactly.
+inline vec8 load8(const c10::BFloat16* p) {
+  u16x8 h;
+  __builtin_memcpy(&h, p, sizeof(h));
+  const u32x8 bits = __builtin_convertvector(h, u32x8) << 16;
+  vec8 v;
+  __builtin_memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+
+inline vec8 load8(const c10::Half* p) {
+  vec8 v;
+  for (int j = 0; j < 8; ++j) v[j] = static_cast<float>(p[j]);
+  return v;
+}
+
+// out[r][n] = sum over k = 0, 1, ..., K-1 in that order of a[r][k] * wt[k][n] (multiply, then
+// add) for the R rows and the columns [n0, n0 + 8 * V) of one tile; wt is the weight transposed,
+// [K, N]. V vec8 accumulators per row: enough independent additions in flight to hide the add
+// latency, few enough to stay in registers.
+template <int R, int V, typename W>
+inline void gemm_tile(const float* const* a, const W* wt, int64_t K, int64_t N, int64_t n0, float* const* out) {
+  vec8 acc[R][V] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    vec8 w[V];
+    for (int v = 0; v < V; ++v) w[v] = load8(wt + k * N + n0 + 8 * v);
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) acc[r][v] += w[v] * a[r][k];
+  }
+  for (int r = 0; r < R; ++r) __builtin_memcpy(out[r] + n0, acc[r], sizeof(acc[r]));
+}
+
+// out[r] = a[r] @ wt for R rows. Every element is summed in the same order on every code path
+// (wide tiles, narrow tiles, the scalar tail), so it does not depend on R, on the other rows or
+// on its tile.
+template <int R, typename W>
+void gemm_rows(const float* const* a, const W* wt, int64_t K, int64_t N, float* const* out) {
+  constexpr int V = R <= 2 ? 8 / R : 2;
+  int64_t n = 0;
+  for (; n + 8 * V <= N; n += 8 * V) gemm_tile<R, V>(a, wt, K, N, n, out);
+  for (; n + 8 <= N; n += 8) gemm_tile<R, 1>(a, wt, K, N, n, out);
+  for (; n < N; ++n)
+    for (int r = 0; r < R; ++r) {
+      float acc = 0.0f;
+      for (int64_t k = 0; k < K; ++k) acc += static_cast<float>(wt[k * N + n]) * a[r][k];
+      out[r][n] = acc;
+    }
+}
+
+// Rounds through the activation dtype, as a GEMM in that dtype returns its result.
+template <typename T>
+inline float round_to(float v) {
+  return static_cast<float>(static_cast<T>(v));
+}
+
+// One block of up to ROW_BLOCK rows of one expert: GEMM1, SiLU(gate) * up, GEMM2. w13t is that
+// expert's [H, 2I], w2t its [I, H].
+template <typename T, typename W, int R>
+void expert_block(const T* x, int64_t hidden, int64_t inter, const W* w13t, const W* w2t, const int64_t* tokens,
+                  const int64_t* rows, T* out_rows) {
+  std::vector<float> xs(R * hidden), gate_up(R * 2 * inter), act(R * inter), y(R * hidden);
+  const float *xr[R], *ar[R];
+  float *gr[R], *yr[R];
+  for (int r = 0; r < R; ++r) {
+    for (int64_t h = 0; h < hidden; ++h) xs[r * hidden + h] = static_cast<float>(x[tokens[r] * hidden + h]);
+    xr[r] = xs.data() + r * hidden;
+    gr[r] = gate_up.data() + r * 2 * inter;
+    ar[r] = act.data() + r * inter;
+    yr[r] = y.data() + r * hidden;
+  }
+  gemm_rows<R>(xr, w13t, hidden, 2 * inter, gr);
+  for (int r = 0; r < R; ++r)
+    for (int64_t i = 0; i < inter; ++i) {
+      const float gate = round_to<T>(gr[r][i]), up = round_to<T>(gr[r][inter + i]);
+      act[r * inter + i] = round_to<T>(gate / (1.0f + std::exp(-gate)) * up);
+    }
+  gemm_rows<R>(ar, w2t, inter, hidden, yr);
+  for (int r = 0; r < R; ++r)
+    for (int64_t h = 0; h < hidden; ++h) out_rows[rows[r] * hidden + h] = static_cast<T>(yr[r][h]);
+}
+
+template <typename T, typename W>
+void expert_rows_impl(const at::Tensor& x, const at::Tensor& row_token, const at::Tensor& row_expert,
+                      const at::Tensor& w13t, const at::Tensor& w2t, at::Tensor& out) {
+  const int64_t num_local = w13t.size(0), inter = w2t.size(1), hidden = x.size(1), num_rows = row_token.size(0);
+  const int64_t* token = row_token.data_ptr<int64_t>();
+  const int64_t* expert = row_expert.data_ptr<int64_t>();
+  // Stable counting sort of the rows by expert: each expert sees its rows in the given order.
+  std::vector<int64_t> start(num_local + 1, 0);
+  for (int64_t r = 0; r < num_rows; ++r)
+    if (expert[r] >= 0) ++start[expert[r] + 1];
+  for (int64_t e = 0; e < num_local; ++e) start[e + 1] += start[e];
+  std::vector<int64_t> sorted(start[num_local]), sorted_token(start[num_local]);
+  std::vector<int64_t> fill(start.begin(), start.end() - 1);
+  for (int64_t r = 0; r < num_rows; ++r)
+    if (expert[r] >= 0) {
+      sorted[fill[expert[r]]] = r;
+      sorted_token[fill[expert[r]]++] = token[r];
+    }
+  struct Block {
+    int64_t expert, begin, size;
+  };
+  std::vector<Block> blocks;
+  for (int64_t e = 0; e < num_local; ++e)
+    for (int64_t b = start[e]; b < start[e + 1]; b += ROW_BLOCK)
+      blocks.push_back({e, b, std::min<int64_t>(ROW_BLOCK, start[e + 1] - b)});
+
+  const T* xp = x.data_ptr<T>();
+  const W* w13p = w13t.data_ptr<W>();
+  const W* w2p = w2t.data_ptr<W>();
+  T* outp = out.data_ptr<T>();
+  at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const Block& blk = blocks[i];
+      const W* a = w13p + blk.expert * hidden * 2 * inter;
+      const W* b = w2p + blk.expert * inter * hidden;
+      const int64_t* tok = sorted_token.data() + blk.begin;
+      const int64_t* rows = sorted.data() + blk.begin;
+      switch (blk.size) {
+        case 4: expert_block<T, W, 4>(xp, hidden, inter, a, b, tok, rows, outp); break;
+        case 3: expert_block<T, W, 3>(xp, hidden, inter, a, b, tok, rows, outp); break;
+        case 2: expert_block<T, W, 2>(xp, hidden, inter, a, b, tok, rows, outp); break;
+        default: expert_block<T, W, 1>(xp, hidden, inter, a, b, tok, rows, outp); break;
+      }
+    }
+  });
+}
+
+void check_rows_args(const at::Tensor& x, const at::Tensor& row_token, const at::Tensor& row_expert,
+                     const at::Tensor& w13, const at::Tensor& w2) {
+  TORCH_CHECK(x.dim() == 2 && w13.dim() == 3 && w2.dim() == 3, "expert_rows: bad ranks");
+  TORCH_CHECK(w13.size(1) == 2 * w2.size(2) && w13.size(2) == x.size(1) && w2.size(1) == x.size(1) &&
+                  w13.size(0) == w2.size(0),
+              "expert_rows: weight shapes do not match hidden_states");
+  TORCH_CHECK(row_token.dim() == 1 && row_expert.sizes() == row_token.sizes(),
+              "expert_rows: row_token and row_expert must be 1-D of the same length");
+  TORCH_CHECK(row_token.scalar_type() == at::kLong && row_expert.scalar_type() == at::kLong,
+              "expert_rows: row_token and row_expert must be int64");
+  const int64_t* token = row_token.data_ptr<int64_t>();
+  const int64_t* expert = row_expert.data_ptr<int64_t>();
+  for (int64_t r = 0; r < row_token.size(0); ++r) {
+    TORCH_CHECK_INDEX(token[r] >= 0 && token[r] < x.size(0), "expert_rows: row ", r, " has token ", token[r],
+                      " outside [0, ", x.size(0), ")");
+    TORCH_CHECK_INDEX(expert[r] >= -1 && expert[r] < w13.size(0), "expert_rows: row ", r, " has local expert ",
+                      expert[r], " outside [-1, ", w13.size(0), ")");
+  }
+}
+
+// Calls fn(T{}) for the activation dtypes kittens supports.
+template <typename Fn>
+void dispatch_dtype(at::ScalarType dtype, const char* op, Fn fn) {
+  switch (dtype) {
+    case at::kBFloat16: fn(c10::BFloat16{}); break;
+    case at::kHalf: fn(c10::Half{}); break;
+    case at::kFloat: fn(float{}); break;
+    default: TORCH_CHECK(false, op, ": dtype ", dtype, " is not one of bfloat16, float16, float32");
+  }
+}
+
+}  // namespace
+
+// Expert output of every row, [rows, H] in x's dtype: row i is x[row_token[i]] through local
+// expert row_expert[i]; zero where that is -1. Weights in vLLM's layouts (w13 [E, 2I, H], w2
+// [E, H, I]), in x's dtype or float32. The GEMMs read each expert's weights transposed; weights
+// that are already transposed views of contiguous [E, H, 2I] and [E, I, H] tensors (what the
+// vLLM glue keeps) are used in place, others are transposed on every call.
+at::Tensor expert_rows(const at::Tensor& x_in, const at::Tensor& row_token_in, const at::Tensor& row_expert_in,
+                       const at::Tensor& w13, const at::Tensor& w2) {
+  at::Tensor x = x_in.contiguous(), row_token = row_token_in.contiguous(), row_expert = row_expert_in.contiguous();
+  check_rows_args(x, row_token, row_expert, w13, w2);
+  at::Tensor w13t = w13.transpose(1, 2).contiguous(), w2t = w2.transpose(1, 2).contiguous();
+  TORCH_CHECK(w13.scalar_type() == w2.scalar_type() &&
+                  (w13.scalar_type() == x.scalar_type() || w13.scalar_type() == at::kFloat),
+              "expert_rows: weights must both have x's dtype or float32");
+  at::Tensor out = at::zeros({row_token.size(0), x.size(1)}, x.options());
+  dispatch_dtype(x.scalar_type(), "expert_rows", [&](auto tag) {
+    using T = decltype(tag);
+    if (w13.scalar_type() == at::kFloat)
+      expert_rows_impl<T, float>(x, row_token, row_expert, w13t, w2t, out);
+    else
+      expert_rows_impl<T, T>(x, row_token, row_expert, w13t, w2t, out);
+  });
+  return out;
+}
+
+// sum over k, in k order, in fp32, of rows[t, k] * weights[t, k]; [T, H] in rows' dtype.
+at::Tensor combine_topk(const at::Tensor& rows_in, const at::Tensor& weights_in) {
+  at::Tensor rows = rows_in.contiguous(), weights = weights_in.to(at::kFloat).contiguous();
+  TORCH_CHECK(rows.dim() == 3 && weights.dim() == 2 && rows.size(0) == weights.size(0) &&
+                  rows.size(1) == weights.size(1),
+              "combine_topk: rows must be [T, K, H] and weights [T, K]");
+  const int64_t tokens = rows.size(0), top_k = rows.size(1), hidden = rows.size(2);
+  at::Tensor out = at::empty({tokens, hidden}, rows.options());
+  dispatch_dtype(rows.scalar_type(), "combine_topk", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* rp = rows.data_ptr<scalar_t>();
+    const float* wp = weights.data_ptr<float>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, tokens, 16, [&](int64_t lo, int64_t hi) {
+      std::vector<float> acc(hidden);
+      for (int64_t t = lo; t < hi; ++t) {
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t k = 0; k < top_k; ++k) {
+          const scalar_t* row = rp + (t * top_k + k) * hidden;
+          const float w = wp[t * top_k + k];
+          for (int64_t h = 0; h < hidden; ++h) acc[h] += static_cast<float>(row[h]) * w;
+        }
+        for (int64_t h = 0; h < hidden; ++h) op[t * hidden + h] = static_cast<scalar_t>(acc[h]);
+      }
+    });
+  });
+  return out;
+}
+
+TORCH_LIBRARY(mok_serve_cpu, m) {
+  m.def("expert_rows(Tensor x, Tensor row_token, Tensor row_expert, Tensor w13, Tensor w2) -> Tensor");
+  m.def("combine_topk(Tensor rows, Tensor weights) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mok_serve_cpu, CPU, m) {
+  m.impl("expert_rows", &expert_rows);
+  m.impl("combine_topk", &combine_topk);
+}

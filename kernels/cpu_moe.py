@@ -1,0 +1,94 @@
+"""The kittens MoE layer on the CPU: a small C++ kernel (``cpu_moe.cpp``) built on first use.
+
+It computes the function of ``reference.py``. The torch reference runs its GEMMs through BLAS,
+which is only batch invariant with each expert's rows padded to a multiple of 8 and costs tens
+of torch ops per call; at decode sizes that overhead is most of a layer's time. The C++ kernel
+sums every GEMM element in a fixed order itself (batch invariant by construction, no padding),
+reads bf16 weights directly and runs the whole layer in two calls.
+
+It is compiled with ``torch.utils.cpp_extension`` (a C++ compiler and ninja, which vLLM's CPU
+build needs as well) into torch's extension cache, once per machine. Where it cannot be built,
+a warning says why and the torch reference runs instead: same function, slower.
+"""
+
+import hashlib
+import logging
+import platform
+from pathlib import Path
+
+import torch
+
+from . import reference
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_moe.cpp")
+_built: bool | None = None
+
+
+def _build_name() -> str:
+    # -march=native code must not be loaded on another kind of CPU sharing the same cache.
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith(("flags", "Features")))
+    except (OSError, StopIteration):
+        flags = ""
+    digest = hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
+    return f"mok_serve_cpu_{digest}"
+
+
+def available() -> bool:
+    """Build and load the C++ kernel once per process; False (with a warning) if it cannot be."""
+    global _built
+    if _built is None:
+        from torch.utils import cpp_extension
+
+        try:
+            cpp_extension.load(
+                name=_build_name(),
+                sources=[str(_SOURCE)],
+                extra_cflags=["-O3", "-march=native", "-ffp-contract=off"],
+                is_python_module=False,
+            )
+            _built = True
+        except Exception as exc:  # a missing compiler or ninja shows up as any of several errors
+            logger.warning("kittens: cannot build the CPU kernel (%s); using the slower torch reference", exc)
+            _built = False
+    return _built
+
+
+def expert_rows(
+    x: torch.Tensor, row_token: torch.Tensor, row_expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """``reference.run_experts`` on the CPU: expert output of each row, zero where its expert is -1.
+
+    Weights are fastest as transposed views of contiguous ``[E, H, 2I]`` and ``[E, I, H]`` tensors
+    (``w.transpose(1, 2).contiguous().transpose(1, 2)``); other layouts are transposed per call.
+    """
+    if not available():
+        return reference.run_experts(x, row_token, row_expert, w13, w2)
+    return torch.ops.mok_serve_cpu.expert_rows(x, row_token.long(), row_expert.long(), w13, w2)
+
+
+def combine_topk(rows: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """Sum ``rows`` ``[T, K, H]`` over k in k order, in fp32, weighted; ``[T, H]`` in rows' dtype."""
+    if not available():
+        return reference.combine_topk(rows, topk_weights).to(rows.dtype)
+    return torch.ops.mok_serve_cpu.combine_topk(rows, topk_weights)
+
+
+def fused_moe_cpu(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    expert_map: torch.Tensor | None = None,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """``fused_moe`` on CPU tensors (same arguments and result as ``reference.fused_moe_reference``)."""
+    reference.check_fused_moe_args(hidden_states, w13, w2, topk_weights, topk_ids, expert_map, activation)
+    tokens, top_k = topk_ids.shape
+    row_token = torch.arange(tokens * top_k) // top_k
+    rows = expert_rows(hidden_states, row_token, reference.local_expert_ids(topk_ids, expert_map), w13, w2)
+    return combine_topk(rows.view(tokens, top_k, hidden_states.shape[1]), topk_weights)

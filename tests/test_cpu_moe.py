@@ -1,0 +1,103 @@
+"""The C++ CPU kernel (kernels/cpu_moe.cpp) against the torch reference, and its invariances."""
+
+import pytest
+import torch
+
+from mok_serve.kernels import cpu_moe, fused_moe, reference
+
+pytestmark = pytest.mark.skipif(not cpu_moe.available(), reason="the C++ CPU kernel cannot be built here")
+
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    assert not got.isnan().any(), "NaN in output"
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def transposed_in_memory(w: torch.Tensor) -> torch.Tensor:
+    return w.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def make_layer(tokens, hidden, inter, experts, top_k, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=g) / inter**0.5).to(dtype)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=g)
+    return x, w13, w2, weights, ids
+
+
+# Odd sizes exercise the 8-wide and scalar column tails and the 1-3 row blocks (the reference
+# needs rows of a multiple of 16 bytes, so I is a multiple of 4).
+SHAPES = [(1, 64, 32, 4, 2), (13, 72, 36, 5, 3), (64, 256, 128, 8, 2), (40, 132, 68, 16, 4)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_matches_reference(shape, dtype):
+    x, w13, w2, weights, ids = make_layer(*shape, dtype)
+    want = reference.fused_moe_reference(x, w13, w2, weights, ids)
+    got = fused_moe(x, transposed_in_memory(w13), transposed_in_memory(w2), weights, ids)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert rel_err(got, want) <= TOLERANCE[dtype]
+
+
+def test_rows_of_remote_experts_are_zero_and_others_match():
+    x, w13, w2, _, _ = make_layer(9, 72, 36, 6, 2, torch.bfloat16)
+    row_token = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 8])
+    row_expert = torch.tensor([0, -1, 5, 5, -1, 2, 5, 5, 5, 0])
+    got = cpu_moe.expert_rows(x, row_token, row_expert, w13, w2)
+    want = reference.run_experts(x, row_token, row_expert, w13, w2)
+    remote = row_expert < 0
+    assert torch.equal(got[remote], torch.zeros_like(got[remote]))
+    for row in (~remote).nonzero().flatten().tolist():  # every local row written and right
+        assert rel_err(got[row], want[row]) <= 1e-2, row
+
+
+def test_bitwise_batch_invariant():
+    """A token alone equals the same token in batches where its expert has 1 to 40 rows."""
+    x, w13, w2, weights, ids = make_layer(64, 132, 68, 4, 2, torch.bfloat16, seed=3)
+    w13, w2 = transposed_in_memory(w13), transposed_in_memory(w2)
+    alone = torch.cat([fused_moe(x[t : t + 1], w13, w2, weights[t : t + 1], ids[t : t + 1]) for t in range(64)])
+    for size in (2, 3, 5, 7, 64):
+        batch = torch.cat([fused_moe(x[s : s + size], w13, w2, weights[s : s + size], ids[s : s + size])
+                           for s in range(0, 64, size)])
+        assert torch.equal(batch, alone), size
+
+
+def test_bitwise_equal_across_thread_counts_and_weight_layouts():
+    x, w13, w2, weights, ids = make_layer(33, 72, 36, 5, 3, torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = fused_moe(x, w13, w2, weights, ids)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in ((w13, w2), (transposed_in_memory(w13), transposed_in_memory(w2)), (w13.float(), w2.float())):
+        assert torch.equal(fused_moe(x, a, b, weights, ids), one_thread)
+
+
+def test_nan_stays_in_its_token():
+    x, w13, w2, weights, ids = make_layer(16, 64, 32, 4, 2, torch.bfloat16)
+    x[5, 3] = float("nan")
+    out = fused_moe(x, w13, w2, weights, ids)
+    assert out[5].isnan().any()
+    assert not out[torch.arange(16) != 5].isnan().any()
+
+
+def test_bad_rows_raise_naming_the_problem():
+    x, w13, w2, _, _ = make_layer(4, 64, 32, 4, 2, torch.bfloat16)
+    with pytest.raises(IndexError, match="local expert 4 outside"):
+        cpu_moe.expert_rows(x, torch.tensor([0, 1]), torch.tensor([0, 4]), w13, w2)
+    with pytest.raises(IndexError, match="token 9 outside"):
+        cpu_moe.expert_rows(x, torch.tensor([9]), torch.tensor([0]), w13, w2)
+    with pytest.raises(RuntimeError, match="dtype"):
+        cpu_moe.expert_rows(x.double(), torch.tensor([0]), torch.tensor([0]), w13.double(), w2.double())
+
+
+def test_without_the_kernel_the_reference_runs(monkeypatch):
+    x, w13, w2, weights, ids = make_layer(13, 72, 36, 5, 3, torch.bfloat16)
+    monkeypatch.setattr(cpu_moe, "_built", False)
+    assert torch.equal(fused_moe(x, w13, w2, weights, ids), reference.fused_moe_reference(x, w13, w2, weights, ids))
