@@ -1,7 +1,7 @@
 """Start and stop a `mok-serve` server in a child process, on loopback (tests and load tests).
 
-The server runs in its own process group so that stopping it also ends vLLM's engine and worker
-processes; the shared-memory segments vLLM's CPU backend leaves behind are removed afterwards.
+The server runs in its own session and process group so that stopping it also ends vLLM's engine
+and worker processes; the shared-memory segments they leave behind are removed afterwards.
 """
 
 import glob
@@ -16,6 +16,7 @@ import urllib.request
 from pathlib import Path
 
 HOST = "127.0.0.1"
+SHM_DIR = "/dev/shm"
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
@@ -27,6 +28,43 @@ def free_port() -> int:
 
 class ServerError(RuntimeError):
     pass
+
+
+def session_shm_segments(sid: int) -> set[str]:
+    """Files under /dev/shm mapped by the live processes of session ``sid`` (Linux ``/proc``).
+
+    vLLM 0.32's CPU backend names its segments from random ids, not from the server's port: the TP
+    SHM communicator's ``vllm_dist_<uuid4 hex>-<group>-[<ranks>]-cpushm_<rank>`` (the file-store
+    rendezvous name, ``VLLM_DIST_IDENT``) and the message queues' ``psm_<random>``. So no name
+    pattern picks out one server's segments; the mappings of the server's own processes do.
+    """
+    found: set[str] = set()
+    for stat_path in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat_path) as f:
+                # pid (comm) state ppid pgrp session ...; comm may contain spaces and parentheses.
+                if int(f.read().rsplit(")", 1)[1].split()[3]) != sid:
+                    continue
+            with open(os.path.join(os.path.dirname(stat_path), "maps")) as f:
+                for line in f:
+                    parts = line.split(maxsplit=5)
+                    path = parts[5].rstrip("\n") if len(parts) == 6 else ""
+                    if path.startswith(SHM_DIR + "/") and not path.endswith(" (deleted)"):
+                        found.add(path)
+        except (OSError, ValueError, IndexError):
+            continue  # exited meanwhile, or not readable
+    return found
+
+
+def remove_leftover_segments(segments: set[str], sid: int, wait_s: float = 5.0) -> set[str]:
+    """Unlink ``segments`` once no process of session ``sid`` maps them any more (waiting up to
+    ``wait_s`` for killed processes to go); returns those still mapped, which are kept."""
+    deadline = time.monotonic() + wait_s
+    while (busy := segments & session_shm_segments(sid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for segment in segments - busy:
+        Path(segment).unlink(missing_ok=True)
+    return busy
 
 
 class ServerProcess:
@@ -51,6 +89,7 @@ class ServerProcess:
         self.log_path = Path(log_path or f"/tmp/mok-serve-{self.port}.log")
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen | None = None
+        self._shm: set[str] = set()  # shared-memory segments the server's processes mapped
 
     @property
     def url(self) -> str:
@@ -72,6 +111,7 @@ class ServerProcess:
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
                     if r.status == 200:
+                        self._shm |= session_shm_segments(self.proc.pid)
                         return self
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass
@@ -89,6 +129,8 @@ class ServerProcess:
     def stop(self) -> None:
         if self.proc is None:
             return
+        sid = self.proc.pid  # start_new_session: the server leads its own session and process group
+        self._shm |= session_shm_segments(sid)
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)
             self.proc.wait(30)
@@ -104,8 +146,7 @@ class ServerProcess:
             pass
         self.proc = None
         self._log_file.close()
-        for segment in glob.glob(f"/dev/shm/vllm_*{self.port}*"):
-            Path(segment).unlink(missing_ok=True)
+        self._shm = remove_leftover_segments(self._shm, sid)
 
     def __enter__(self) -> "ServerProcess":
         return self.start()
