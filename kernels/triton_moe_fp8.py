@@ -61,12 +61,13 @@ def _max_nan(a, b):
 def _to_fp8(x, RNE_FIX: tl.constexpr):
     """fp32 -> e4m3, round to nearest even. The interpreter (``RNE_FIX``) rounds this cast wrongly
     (no carry into the exponent, ties away), so round to the e4m3 grid in fp32 first: normals keep 3
-    mantissa bits, subnormals (< 2**-6) snap to multiples of 2**-9; the cast is then exact."""
+    mantissa bits, subnormals (< 2**-6) snap to multiples of 2**-9, keeping the sign of zero; the
+    cast is then exact."""
     if RNE_FIX:
         bits = x.to(tl.uint32, bitcast=True)
         normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
-        subnormal = (x + 24576.0) - 24576.0  # 1.5 * 2**14: fp32 spacing 2**-9 around it
-        x = tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+        subnormal = (tl.abs(x) + 24576.0) - 24576.0  # 1.5 * 2**14: fp32 spacing 2**-9 around it
+        x = tl.where(tl.abs(x) < 0.015625, tl.where(x < 0, -subnormal, subnormal), normal)
     return x.to(tl.float8e4nv)
 
 

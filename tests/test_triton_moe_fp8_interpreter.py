@@ -1,0 +1,174 @@
+"""The Triton FP8 MoE kernels' logic on the CPU, under the Triton interpreter, at tiny sizes.
+
+The interpreter runs fp8 dots (it widens e4m3 to fp16, exactly) but rounds fp32 -> e4m3 casts
+wrongly, which the kernels correct under ``RNE_FIX`` (see ``triton_moe_fp8._to_fp8``). Skipped on
+machines with CUDA, where the GPU tests cover the compiled kernels.
+"""
+
+import importlib
+import os
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("interpreter tests run on CPU-only machines", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"
+triton = pytest.importorskip("triton")
+
+from mok_serve.kernels import fused_moe_fp8_reference  # noqa: E402
+from mok_serve.kernels import triton_moe as tm  # noqa: E402
+from mok_serve.kernels import triton_moe_fp8 as tf  # noqa: E402
+from mok_serve.kernels.fp8 import dequantize_fp8_groups, quantize_fp8_blocks, quantize_fp8_groups  # noqa: E402
+
+if type(tf._fp8_gemm1_kernel).__name__ != "InterpretedFunction":
+    tm = importlib.reload(tm)
+    tf = importlib.reload(tf)
+
+
+def rel_err(out, ref):
+    assert not torch.isnan(out).any()
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def make(tokens, hidden, inter, experts, top_k, dtype=torch.bfloat16, seed=0, num_global=None, block=(128, 128)):
+    g = torch.Generator().manual_seed(seed)
+    num_global = num_global or experts
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5
+    w2 = torch.randn(experts, hidden, inter, generator=g) / inter**0.5
+    (q13, s13), (q2, s2) = quantize_fp8_blocks(w13, block), quantize_fp8_blocks(w2, block)
+    ids = torch.rand(tokens, num_global, generator=g).argsort(dim=1)[:, :top_k].to(torch.int32)
+    weights = torch.rand(tokens, top_k, generator=g)
+    return x, (q13, q2, s13, s2), weights, ids
+
+
+def test_quantize_pass_is_the_torch_quantization_bit_for_bit():
+    tokens, hidden, experts, top_k = 37, 200, 3, 2
+    g = torch.Generator().manual_seed(1)
+    # Columns from 1e-9 to 1e3 (e4m3 subnormals, rounding carries, ties), a zero row, a NaN.
+    x = (torch.randn(tokens, hidden, generator=g) * torch.logspace(-9, 3, hidden)).to(torch.bfloat16)
+    x[4] = 0
+    x[6, 150] = float("nan")
+    ids = torch.randint(0, experts, (tokens, top_k), generator=g, dtype=torch.int32)
+    counts = torch.full((experts,), -7, dtype=torch.int32)
+    sorted_rows = torch.full((tokens * top_k,), -7, dtype=torch.int32)
+    xq = torch.empty(tokens, hidden, dtype=torch.float8_e4m3fn)
+    xs = torch.empty(tokens, 2)
+    programs = experts + triton.cdiv(tokens, 32) * 2
+    tf._fp8_schedule_quantize_kernel[(programs,)](
+        ids, ids, counts, sorted_rows, tokens * top_k, experts, experts, ids.stride(0), ids.stride(1),
+        x, xq, xs, tokens, hidden, x.stride(0), x.stride(1),
+        TOPK=top_k, HAS_MAP=False, BLOCK=16, QROWS=32, RNE_FIX=True,
+    )
+    flat = ids.reshape(-1).long()
+    assert counts.tolist() == torch.bincount(flat, minlength=experts).tolist()
+    assert sorted_rows.tolist() == torch.argsort(flat, stable=True).tolist()
+    q_ref, s_ref = quantize_fp8_groups(x)
+    assert torch.isnan(xs[6, 1]) and (xs[4] > 0).all()
+    torch.testing.assert_close(xs, s_ref, rtol=0, atol=0, equal_nan=True)
+    finite = ~torch.isnan(q_ref.float())
+    assert torch.equal(xq.view(torch.uint8)[finite], q_ref.view(torch.uint8)[finite])
+    # The NaN group dequantizes to NaN through its scale (the interpreter's cast does not keep the
+    # NaN itself; the GPU's does).
+    assert torch.isnan(dequantize_fp8_groups(xq, xs)[~finite]).all()
+
+
+@pytest.mark.parametrize(
+    "tokens,hidden,inter,experts,top_k,dtype",
+    [
+        (1, 256, 128, 4, 2, torch.bfloat16),
+        (21, 128, 256, 5, 3, torch.bfloat16),
+        (9, 200, 72, 3, 2, torch.bfloat16),  # H and I not multiples of 128
+        (13, 256, 128, 4, 2, torch.float16),
+    ],
+)
+def test_matches_reference(tokens, hidden, inter, experts, top_k, dtype):
+    x, fp8, weights, ids = make(tokens, hidden, inter, experts, top_k, dtype, seed=tokens)
+    out = tf.fused_moe_fp8_triton(x, *fp8, weights, ids)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert rel_err(out, fused_moe_fp8_reference(x, *fp8, weights, ids)) <= 1e-3
+
+
+def test_expert_map_duplicates_and_remote_tokens():
+    tokens, local, top_k, num_global = 9, 3, 4, 8
+    x, fp8, weights, _ = make(tokens, 128, 128, local, top_k, seed=11)
+    g = torch.Generator().manual_seed(12)
+    ids = torch.randint(0, num_global, (tokens, top_k), generator=g, dtype=torch.int64)  # duplicates allowed
+    ids[0] = torch.tensor([0, 2, 5, 6])  # all remote
+    expert_map = torch.tensor([-1, 0, -1, 2, 1, -1, -1, 0], dtype=torch.int32)
+    out = tf.fused_moe_fp8_triton(x, *fp8, weights, ids, expert_map=expert_map)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert rel_err(out, fused_moe_fp8_reference(x, *fp8, weights, ids, expert_map=expert_map)) <= 1e-3
+
+
+@pytest.mark.parametrize("block", [(64, 128), (256, 128)])
+def test_weight_n_blocks_other_than_128(block):
+    x, fp8, weights, ids = make(7, 128, 192, 3, 2, seed=3, block=block)
+    out = tf.fused_moe_fp8_triton(x, *fp8, weights, ids, block_shape=block)
+    assert rel_err(out, fused_moe_fp8_reference(x, *fp8, weights, ids, block_shape=block)) <= 1e-3
+
+
+def test_k_block_other_than_128_raises():
+    x, fp8, weights, ids = make(3, 128, 128, 2, 1, block=(128, 64))
+    with pytest.raises(ValueError, match="need a K block of 128"):
+        tf.fused_moe_fp8_triton(x, *fp8, weights, ids, block_shape=(128, 64))
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        (dict(BLOCK_M=128), dict(BLOCK_M=64, BLOCK_N=32)),
+        (dict(BLOCK_M=64, GROUP_M=3), dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=2)),
+    ],
+)
+def test_tile_configs_agree_bitwise(cfg):
+    x, fp8, weights, ids = make(40, 128, 256, 4, 2, seed=9)
+    g1, g2 = ({**c, "num_warps": 4, "num_stages": 2} for c in cfg)
+    out = tf.fused_moe_fp8_triton(x, *fp8, weights, ids, _configs=(g1, g2))
+    assert torch.equal(out, tf.fused_moe_fp8_triton(x, *fp8, weights, ids))
+
+
+def test_token_alone_equals_token_in_a_batch():
+    x, fp8, weights, ids = make(12, 128, 128, 3, 2, seed=4)
+    batch = tf.fused_moe_fp8_triton(x, *fp8, weights, ids)
+    alone = tf.fused_moe_fp8_triton(x[7:8], *fp8, weights[7:8], ids[7:8])
+    assert torch.equal(alone[0], batch[7])
+
+
+def test_out_of_range_ids_raise_eagerly_and_are_masked_in_kernels(monkeypatch):
+    x, fp8, weights, ids = make(4, 128, 128, 4, 2, seed=1)
+    bad = ids.clone()
+    bad[1, 0] = 4
+    bad[2, 1] = -3
+    with pytest.raises(ValueError, match="out of range"):
+        tf.fused_moe_fp8_triton(x, *fp8, weights, bad)
+    # As under graph capture (no value check): invalid rows contribute nothing, nothing crashes.
+    real_check = tf.check_fused_moe_fp8_args
+    monkeypatch.setattr(tf, "check_fused_moe_fp8_args", lambda *a, **k: real_check(*a, **{**k, "check_values": False}))
+    out = tf.fused_moe_fp8_triton(x, *fp8, weights, bad)
+    keep = torch.ones_like(weights)
+    keep[1, 0] = 0
+    keep[2, 1] = 0
+    assert rel_err(out, fused_moe_fp8_reference(x, *fp8, weights * keep, ids)) <= 1e-3
+
+
+def test_nan_stays_in_its_token():
+    x, fp8, weights, ids = make(12, 128, 128, 3, 2, seed=2)
+    x[5, 3] = float("nan")
+    out = tf.fused_moe_fp8_triton(x, *fp8, weights, ids)
+    assert torch.isnan(out[5]).all()
+    assert not torch.isnan(torch.cat([out[:5], out[6:]])).any()
+
+
+def test_pick_configs_static_wgmma_sized_and_within_registers():
+    for tokens in (1, 8, 32, 128, 512, 2048, 8192):
+        for hidden, inter, experts, top_k in ((7168, 2048, 256, 8), (2048, 768, 128, 8), (5120, 1536, 160, 8)):
+            g1, g2 = tf.pick_configs_fp8(tokens, top_k, experts, hidden, inter)
+            assert g1["BLOCK_M"] >= 64 and g2["BLOCK_M"] >= 64
+            # fp32 accumulator + one K block's dot result: at most 128 registers per thread.
+            assert 2 * g1["BLOCK_M"] * 2 * tf.GROUP // (32 * g1["num_warps"]) <= 128
+            assert 2 * g2["BLOCK_M"] * g2["BLOCK_N"] // (32 * g2["num_warps"]) <= 128
+            # Pipelined fp8 A and B tiles fit in shared memory (227 KB per block on Hopper).
+            assert g1["num_stages"] * (g1["BLOCK_M"] + 2 * tf.GROUP) * tf.GROUP <= 200 * 1024
+            assert g2["num_stages"] * (g2["BLOCK_M"] + g2["BLOCK_N"]) * tf.GROUP <= 200 * 1024
