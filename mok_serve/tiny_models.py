@@ -7,6 +7,10 @@ bfloat16 safetensors weights drawn from a fixed-seed generator (one independent 
 per tensor, keyed by the tensor name), so two builds on any machine give byte-identical
 weight and tokenizer files.
 
+Block FP8.  ``deepseek_v3_fp8`` and ``qwen3_moe_fp8`` are the bf16 families with their routed
+experts quantized as DeepSeek-V3 ships them (float8_e4m3fn weights, an fp32 ``weight_scale_inv``
+per 128x128 block, ``quantization_config`` in ``config.json``); all other layers stay bf16.
+
 Greedy robustness.  The project compares greedy outputs between configurations that only
 differ by floating-point rounding (MoE backends, TP1 vs TP2).  A purely random model has
 flat logits whose argmax flips on tiny rounding differences, so the output head is given
@@ -34,7 +38,7 @@ import pathlib
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -147,6 +151,14 @@ class TinyFamily:
     linear_gain: float = 1.0  # std of linear layers = gain / sqrt(fan_in)
     router_gain: float = 4.0  # router weights std = router_gain / sqrt(H)
     correction_bias_std: float = 0.1
+    # A quantized family is its bf16 ``base`` family (same weights, drawn from the same seeds)
+    # with the routed experts quantized as ``quantization`` (the checkpoint's quantization_config).
+    base: str | None = None
+    quantization: dict[str, Any] | None = None
+
+    @property
+    def model_type(self) -> str:
+        return self.base or self.name
 
     def spec(self) -> dict[str, Any]:
         return {
@@ -162,6 +174,8 @@ class TinyFamily:
                 self.router_gain,
                 self.correction_bias_std,
             ],
+            "base": self.base,
+            "quantization": self.quantization,
         }
 
 
@@ -275,6 +289,32 @@ FAMILIES: dict[str, TinyFamily] = {
     ),
 }
 
+# DeepSeek-V3's FP8 checkpoint format: float8_e4m3fn weights with one fp32 ``weight_scale_inv``
+# per 128x128 block; activations are quantized at run time (per token, in groups of 128).
+FP8_BLOCK_QUANTIZATION: dict[str, Any] = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128],
+}
+
+
+def _block_fp8(base: TinyFamily) -> TinyFamily:
+    block_n, block_k = FP8_BLOCK_QUANTIZATION["weight_block_size"]
+    c = base.config
+    # Whole blocks only (what DeepSeek-V3 ships), so every scale covers a full 128x128 tile.
+    assert c["hidden_size"] % block_k == 0 and c["moe_intermediate_size"] % block_n == 0, base.name
+    return replace(
+        base,
+        name=f"{base.name}_fp8",
+        base=base.name,
+        description=f"{base.description}; routed experts in block FP8 (e4m3, 128x128 scales)",
+        quantization=FP8_BLOCK_QUANTIZATION,
+    )
+
+
+FAMILIES.update((f.name, f) for f in (_block_fp8(FAMILIES["deepseek_v3"]), _block_fp8(FAMILIES["qwen3_moe"])))
+
 DEFAULT_FAMILY = "qwen3_moe"
 
 # Families that vLLM 0.32 (CPU build) could not serve, with the error seen.
@@ -287,6 +327,10 @@ UNSERVABLE_ON_CPU: dict[str, str] = {}
 def _builder_fingerprint(family: TinyFamily) -> str:
     h = hashlib.sha256()
     h.update(json.dumps(family.spec(), sort_keys=True).encode())
+    if family.quantization:
+        from mok_serve.kernels import fp8
+
+        h.update(pathlib.Path(fp8.__file__).read_bytes())
     h.update(f"seed={SEED};v={BUILDER_VERSION};vocab={TOKENIZER_VOCAB_SIZE}".encode())
     h.update(CORPUS.encode())
     h.update(CHAT_TEMPLATE.encode())
@@ -395,7 +439,7 @@ def _param_specs(fam: TinyFamily, vocab: int) -> list[tuple[str, tuple[int, ...]
         specs.append((f"{p}.post_attention_layernorm.weight", (H,), "norm"))
         a = f"{p}.self_attn"
         nh = c["num_attention_heads"]
-        if fam.name == "deepseek_v3":
+        if fam.model_type == "deepseek_v3":
             qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
             if c.get("q_lora_rank"):
                 r = c["q_lora_rank"]
@@ -422,12 +466,12 @@ def _param_specs(fam: TinyFamily, vocab: int) -> list[tuple[str, tuple[int, ...]
                 specs.append((f"{a}.k_proj.bias", (nkv * hd,), "bias"))
                 specs.append((f"{a}.v_proj.bias", (nkv * hd,), "bias"))
             specs.append((f"{a}.o_proj.weight", (H, nh * hd), "linear"))
-            if fam.name == "qwen3_moe" or c.get("use_qk_norm"):
+            if fam.model_type == "qwen3_moe" or c.get("use_qk_norm"):
                 specs.append((f"{a}.q_norm.weight", (hd,), "norm"))
                 specs.append((f"{a}.k_norm.weight", (hd,), "norm"))
 
         m = f"{p}.mlp"
-        if fam.name == "qwen3_moe":
+        if fam.model_type == "qwen3_moe":
             E = c["num_experts"]
             is_moe = i not in c["mlp_only_layers"] and (i + 1) % c["decoder_sparse_step"] == 0
         else:
@@ -437,7 +481,7 @@ def _param_specs(fam: TinyFamily, vocab: int) -> list[tuple[str, tuple[int, ...]
             mlp(m, c["intermediate_size"])
             continue
         specs.append((f"{m}.gate.weight", (E, H), "router"))
-        if fam.name in ("deepseek_v3", "glm4_moe"):
+        if fam.model_type in ("deepseek_v3", "glm4_moe"):
             specs.append((f"{m}.gate.e_score_correction_bias", (E,), "correction_bias"))
         for e in range(E):
             mlp(f"{m}.experts.{e}", c["moe_intermediate_size"])
@@ -449,7 +493,7 @@ def _param_specs(fam: TinyFamily, vocab: int) -> list[tuple[str, tuple[int, ...]
 
 
 def _rng(fam: TinyFamily, name: str) -> np.random.Generator:
-    digest = hashlib.sha256(f"{SEED}:{fam.name}:{name}".encode()).digest()
+    digest = hashlib.sha256(f"{SEED}:{fam.model_type}:{name}".encode()).digest()
     return np.random.Generator(np.random.PCG64(int.from_bytes(digest[:16], "little")))
 
 
@@ -488,7 +532,29 @@ def _make_weights(fam: TinyFamily, vocab: int, n_special: int) -> dict[str, Any]
         else:  # pragma: no cover
             raise AssertionError(kind)
         arrays[name] = np.ascontiguousarray(a, dtype=np.float32)
-    return {k: torch.from_numpy(v).to(torch.bfloat16) for k, v in arrays.items()}
+    weights = {k: torch.from_numpy(v).to(torch.bfloat16) for k, v in arrays.items()}
+    return _quantize_routed_experts(fam, weights) if fam.quantization else weights
+
+
+def _is_routed_expert(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
+def _quantize_routed_experts(fam: TinyFamily, weights: dict[str, Any]) -> dict[str, Any]:
+    """Block-FP8 routed experts in the checkpoint layout vLLM loads (``weight`` + ``weight_scale_inv``),
+    quantized from the bf16 weights, so dequantizing gives back the base family's weights."""
+    from mok_serve.kernels.fp8 import quantize_fp8_blocks
+
+    block = tuple(fam.quantization["weight_block_size"])
+    out = {}
+    for name, w in weights.items():
+        if not _is_routed_expert(name):
+            out[name] = w
+            continue
+        q, scale = quantize_fp8_blocks(w, block=block)
+        out[name] = q.contiguous()
+        out[name.removesuffix("weight") + "weight_scale_inv"] = scale.float().contiguous()
+    return out
 
 
 # --------------------------------------------------------------------------- config
@@ -507,13 +573,19 @@ def _make_config(fam: TinyFamily, vocab: int, ids: dict[str, int]) -> dict[str, 
         dtype="bfloat16",
         initializer_range=0.02,
     )
-    cfg = AutoConfig.for_model(fam.name, **kwargs)
+    cfg = AutoConfig.for_model(fam.model_type, **kwargs)
     d = cfg.to_dict()
     d.update(fam.extra_config)
     d["architectures"] = [fam.architecture]
     d["torch_dtype"] = "bfloat16"
     d["dtype"] = "bfloat16"
     d.pop("transformers_version", None)
+    if fam.quantization:
+        # Only the routed experts are quantized: vLLM's CPU FP8 linear kernels need AMX, and the
+        # experts are what kittens runs. Every other linear layer is listed as left in bf16.
+        linears = [name for name, _, kind in _param_specs(fam, vocab) if kind == "linear"]
+        ignored = [name.removesuffix(".weight") for name in linears if not _is_routed_expert(name)]
+        d["quantization_config"] = {**fam.quantization, "ignored_layers": ignored}
     return d
 
 

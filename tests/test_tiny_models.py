@@ -200,3 +200,55 @@ def test_cli(tmp_path, capsys):
     assert tm.main(["--family", "qwen3_moe", "--cache-dir", str(tmp_path)]) == 0
     printed = capsys.readouterr().out.strip()
     assert printed == str(tm.build_tiny_model(cache_dir=tmp_path))
+
+
+FP8_FAMILIES = ["deepseek_v3_fp8", "qwen3_moe_fp8"]
+
+
+@pytest.fixture(scope="module")
+def built_fp8(cache_root):
+    return {f: tm.build_tiny_model(f, cache_dir=cache_root) for f in FP8_FAMILIES}
+
+
+@pytest.mark.parametrize("family", FP8_FAMILIES)
+def test_fp8_family_is_its_bf16_family_with_block_fp8_experts(built, built_fp8, family):
+    from safetensors.torch import load_file
+
+    from mok_serve.kernels.fp8 import dequantize_fp8_blocks
+
+    base = tm.FAMILIES[family].base
+    fp8, bf16 = load_file(str(built_fp8[family] / "model.safetensors")), load_file(str(built[base] / "model.safetensors"))
+    cfg = json.loads((built_fp8[family] / "config.json").read_text())
+    quant = cfg.pop("quantization_config")
+    assert cfg == json.loads((built[base] / "config.json").read_text())
+    assert {k: quant[k] for k in ("quant_method", "weight_block_size", "activation_scheme")} == {
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+        "activation_scheme": "dynamic",
+    }
+    experts = [k for k in bf16 if ".mlp.experts." in k]
+    assert experts
+    assert set(fp8) == set(bf16) | {k.removesuffix("weight") + "weight_scale_inv" for k in experts}
+    for name, w in bf16.items():
+        if name not in experts:
+            assert torch.equal(fp8[name], w), name
+            continue
+        q, scale = fp8[name], fp8[name.removesuffix("weight") + "weight_scale_inv"]
+        assert q.dtype == torch.float8_e4m3fn and q.shape == w.shape
+        assert scale.dtype == torch.float32 and scale.shape == (w.shape[0] // 128, w.shape[1] // 128)
+        # e4m3 keeps 3 mantissa bits: half an ulp is 1/16 of the value (subnormals: scale/1024).
+        w, error = w.float(), (dequantize_fp8_blocks(q, scale) - w.float()).abs()
+        bound = torch.maximum(w.abs() / 16, scale.repeat_interleave(128, 0).repeat_interleave(128, 1) / 1024)
+        assert (error <= bound * 1.0001).all(), name
+    # Every other linear layer stays bf16 and is named so (vLLM's CPU FP8 linears need AMX).
+    linears = {k.removesuffix(".weight") for k, v in bf16.items() if v.dim() == 2 and k not in experts}
+    linears -= {"model.embed_tokens", "lm_head"} | {k for k in linears if k.endswith(".mlp.gate")}
+    assert set(quant["ignored_layers"]) == linears
+
+
+@pytest.mark.parametrize("family", FP8_FAMILIES)
+def test_fp8_rebuild_is_byte_identical(built_fp8, tmp_path, family):
+    other = tm.build_tiny_model(family, cache_dir=tmp_path)
+    assert other.name == built_fp8[family].name and other.name.startswith(f"tiny-{family}-")
+    for f in ("model.safetensors", "config.json"):
+        assert _sha(other / f) == _sha(built_fp8[family] / f), f
