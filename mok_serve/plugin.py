@@ -27,23 +27,28 @@ def _add_moe_backend_choice(name: str) -> None:
     arg_utils._compute_kwargs.cache_clear()
 
 
-def _reject_quantized_models() -> None:
-    """Fail at start-up, in the API server, when kittens is asked to run a quantized model."""
+def _reject_unsupported_quantization() -> None:
+    """Fail at start-up, in the API server, when kittens is asked to run a quantization scheme
+    it has no experts for (anything but unquantized and 128x128 block FP8)."""
     from vllm.config.kernel import KernelConfig
 
     from mok_serve.vllm import KITTENS
+    from mok_serve.vllm.experts_fp8 import kittens_quantization_error
 
     stock_set_platform_defaults = KernelConfig.set_platform_defaults
 
     def set_platform_defaults(self, vllm_config):
         stock_set_platform_defaults(self, vllm_config)
         model_config = vllm_config.model_config
-        if self.moe_backend == KITTENS and model_config is not None and model_config.quantization:
-            raise ValueError(
-                f"--moe-backend kittens runs unquantized MoE layers only (bfloat16, float16 or "
-                f"float32 expert weights); this model is quantized with "
-                f"'{model_config.quantization}'. Serve it without --moe-backend kittens."
-            )
+        if self.moe_backend != KITTENS or model_config is None:
+            return
+        error = kittens_quantization_error(
+            model_config.quantization,
+            model_config.model_arch_config.quantization_config,
+            vllm_config.parallel_config,
+        )
+        if error:
+            raise ValueError(error)
 
     KernelConfig.set_platform_defaults = set_platform_defaults
 
@@ -67,12 +72,17 @@ def register() -> None:
     if _registered:
         return
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    from vllm.model_executor.layers.quantization import fp8
 
     from mok_serve.vllm import KITTENS
     from mok_serve.vllm.experts import KittensFusedMoEMethod
+    from mok_serve.vllm.experts_fp8 import KittensFp8MoEMethod
 
     _add_moe_backend_choice(KITTENS)
-    _reject_quantized_models()
+    _reject_unsupported_quantization()
     _bind_all2all_for_kittens()
     UnquantizedFusedMoEMethod.register_oot(KittensFusedMoEMethod)
+    # Fp8MoEMethod is no custom op (no out-of-tree slot): Fp8Config.get_quant_method looks the
+    # name up in its module at each call, so binding the subclass there makes it the FP8 method.
+    fp8.Fp8MoEMethod = KittensFp8MoEMethod
     _registered = True

@@ -46,3 +46,140 @@ def test_mok_serve_defaults():
     assert args.moe_backend == "kittens"
     assert args.host == "127.0.0.1"
     assert build_parser().parse_args(["--moe-backend", "auto"]).moe_backend == "auto"
+
+
+BLOCK_FP8 = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+
+
+@pytest.mark.parametrize(
+    "quantization, quant_cfg, expected",
+    [
+        ("awq", {"quant_method": "awq"}, "this model is quantized with 'awq'"),
+        ("fp8", None, "this model is quantized with 'fp8' at load time"),
+        ("fp8", {"quant_method": "fp8", "activation_scheme": "static"}, "'fp8' checkpoint with per-tensor scales"),
+        ("fp8", {**BLOCK_FP8, "weight_block_size": [64, 64]}, "'fp8' checkpoint with weight_block_size [64, 64]"),
+        ("fp8", {**BLOCK_FP8, "store_dtype": "mxfp4"}, "'fp8' checkpoint storing its experts as mxfp4"),
+    ],
+)
+def test_unsupported_quantization_is_named_with_what_is_supported(quantization, quant_cfg, expected):
+    from vllm.config import ParallelConfig
+
+    from mok_serve.vllm.experts_fp8 import kittens_quantization_error
+
+    error = kittens_quantization_error(quantization, quant_cfg, ParallelConfig())
+    assert expected in error
+    assert "block-FP8 checkpoints (quant_method 'fp8', weight_block_size [128, 128]" in error
+    assert error.endswith("Serve it without --moe-backend kittens.")
+
+
+def test_block_fp8_and_unquantized_are_accepted_without_expert_parallel():
+    from vllm.config import ParallelConfig
+
+    from mok_serve.vllm.experts_fp8 import kittens_quantization_error
+
+    assert kittens_quantization_error(None, None, ParallelConfig()) is None
+    assert kittens_quantization_error("fp8", BLOCK_FP8, ParallelConfig()) is None
+    ep = ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True)
+    assert "block-FP8 MoE layers under expert parallelism" in kittens_quantization_error("fp8", BLOCK_FP8, ep)
+
+
+@pytest.fixture
+def vllm_single_rank():
+    """vLLM's config context and a one-rank gloo group, which building MoE weights needs."""
+    import tempfile
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
+
+    with tempfile.TemporaryDirectory() as tmp, set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(1, 0, f"file://{tmp}/init", 0, backend="gloo")
+        initialize_model_parallel(1, 1)
+        yield
+        destroy_model_parallel()
+        destroy_distributed_environment()
+
+
+def _moe_config(moe_backend: str, E=4, H=256, I=128):
+    import torch
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.config import (
+        FusedMoEConfig,
+        FusedMoEParallelConfig,
+        RoutingMethodType,
+    )
+
+    return FusedMoEConfig(
+        num_experts=E,
+        experts_per_token=2,
+        hidden_dim=H,
+        intermediate_size=I,
+        num_local_experts=E,
+        num_logical_experts=E,
+        activation=MoEActivation.SILU,
+        device="cpu",
+        routing_method=RoutingMethodType.Renormalize,
+        moe_parallel_config=FusedMoEParallelConfig.make_no_parallel(),
+        in_dtype=torch.bfloat16,
+        moe_backend=moe_backend,
+    )
+
+
+def test_kittens_takes_over_vllms_block_fp8_moe_method(vllm_single_rank):
+    """Fp8Config builds the kittens method; vLLM creates and processes the weights, the experts
+    are KittensFp8Experts, and a call through vLLM's modular kernel is fused_moe_fp8_reference."""
+    import torch
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.quantization import fp8 as vllm_fp8
+
+    from mok_serve.kernels.fp8 import fused_moe_fp8_reference, quantize_fp8_blocks
+    from mok_serve.plugin import register
+    from mok_serve.vllm.experts_fp8 import KittensFp8Experts, KittensFp8MoEMethod
+
+    register()
+    assert vllm_fp8.Fp8MoEMethod is KittensFp8MoEMethod
+    E, H, I = 4, 256, 128
+
+    class Layer(torch.nn.Module):  # the attributes of vLLM's RoutedExperts the method reads
+        moe_config = _moe_config("kittens", E, H, I)
+        local_num_experts = global_num_experts = E
+        expert_map = None
+        activation = MoEActivation.SILU
+        apply_router_weight_on_input = False
+
+        def _expert_routing_tables(self):
+            return None
+
+    layer = Layer()
+    method = KittensFp8MoEMethod(vllm_fp8.Fp8Config(weight_block_size=[128, 128]), layer)
+    method.create_weights(layer, E, H, I, torch.bfloat16, weight_loader=None)
+    g = torch.Generator().manual_seed(0)
+    w13, w13_scale = quantize_fp8_blocks(torch.randn(E, 2 * I, H, generator=g) / 16)
+    w2, w2_scale = quantize_fp8_blocks(torch.randn(E, H, I, generator=g) / 11)
+    loaded = {"w13_weight": w13, "w2_weight": w2, "w13_weight_scale_inv": w13_scale, "w2_weight_scale_inv": w2_scale}
+    for name, value in loaded.items():
+        getattr(layer, name).data.copy_(value)
+    method.process_weights_after_loading(layer)
+    assert type(method.moe_kernel.fused_experts) is KittensFp8Experts
+
+    x = torch.randn(5, H, generator=g).bfloat16()
+    topk_weights = torch.rand(5, 2, generator=g)
+    topk_ids = torch.randint(0, E, (5, 2), generator=g, dtype=torch.int32)
+    out = method.apply(layer, x, topk_weights, topk_ids, None, None)
+    assert torch.equal(out, fused_moe_fp8_reference(x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids))
+
+
+def test_stock_fp8_method_is_untouched_without_kittens():
+    from vllm.model_executor.layers.quantization import fp8 as vllm_fp8
+
+    from mok_serve.plugin import register
+    from mok_serve.vllm.experts_fp8 import KittensFp8Experts
+
+    register()
+    layer = type("Layer", (), {"moe_config": _moe_config("auto")})()
+    method = vllm_fp8.Fp8MoEMethod(vllm_fp8.Fp8Config(weight_block_size=[128, 128]), layer)
+    assert method.experts_cls is not KittensFp8Experts

@@ -89,10 +89,11 @@ class KittensExperts(mk.FusedMoEExpertsModular):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if current_platform.is_cpu():
-            # fused_moe computes in float32 on the CPU (see kernels/reference.py); an exact upcast
-            # copy made once saves converting the weights on every call.
-            replace_parameter(layer, "w13_weight", layer.w13_weight.float())
-            replace_parameter(layer, "w2_weight", layer.w2_weight.float())
+            # The CPU kernel (kernels/cpu_moe.py) reads each expert's weights transposed: keep them
+            # so in memory, still shaped as vLLM expects, so no call transposes them again.
+            for name in ("w13_weight", "w2_weight"):
+                weight = getattr(layer, name)
+                replace_parameter(layer, name, weight.transpose(1, 2).contiguous().transpose(1, 2))
 
     def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta, activation):
         return (0,), (0,), (M, K)
@@ -124,16 +125,56 @@ class KittensExperts(mk.FusedMoEExpertsModular):
         slot = getattr(self, "_kittens_timing_slot", None)
         if slot is not None:
             topk_ids = timing.mark(topk_ids, slot, timing.EXPERTS_BEGIN)
-        if self.owns_dispatch:
-            out = expert_parallel.ep_fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, expert_map)
-        else:
-            out = fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, expert_map=expert_map)
+        out = self._run(hidden_states, w1, w2, topk_weights, topk_ids, expert_map)
         if slot is not None:
             out = timing.mark(out, slot, timing.EXPERTS_END)
         output.copy_(out)
 
+    def _run(self, hidden_states, w1, w2, topk_weights, topk_ids, expert_map) -> torch.Tensor:
+        if self.owns_dispatch:
+            return expert_parallel.ep_fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, expert_map)
+        return fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, expert_map=expert_map)
 
-class KittensFusedMoEMethod(UnquantizedFusedMoEMethod):
+
+class TimedMoEMethod:
+    """Per-layer timing (timing.py) around a vLLM MoE method, kittens or stock. Mixed in ahead of
+    the vLLM method class; ``__init__`` calls ``_init_timing`` first."""
+
+    def _init_timing(self) -> None:
+        # None when off, and then apply() is the stock one.
+        self._kittens_timing = timing.config_from_vllm()
+        self._kittens_timing_slot: int | None = None
+
+    def _stock_backend(self) -> str:
+        """The name of the stock backend vLLM picked, for the per-layer stats."""
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer) -> None:
+        super().process_weights_after_loading(layer)
+        if not self._kittens_timing.enabled or self.moe_kernel is None:
+            return
+        experts = self.moe_kernel.fused_experts
+        backend = KITTENS if isinstance(experts, KittensExperts) else f"stock ({self._stock_backend()})"
+        self._kittens_timing_slot = timing.register_layer(
+            layer, self._kittens_timing, backend, type(experts).__name__
+        )
+        if isinstance(experts, KittensExperts):
+            experts._kittens_timing_slot = self._kittens_timing_slot
+
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        slot = self._kittens_timing_slot
+        if slot is None:
+            return super().apply(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
+        # The timer's copy of topk_ids feeds the experts and its copy of the output feeds the
+        # rest of the model, so a compiler cannot move either timer off the work it brackets.
+        topk_ids = timing.mark(topk_ids, slot, timing.BEGIN)
+        out = super().apply(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
+        if isinstance(out, torch.Tensor):
+            out = timing.mark(out, slot, timing.END)
+        return out
+
+
+class KittensFusedMoEMethod(TimedMoEMethod, UnquantizedFusedMoEMethod):
     """vLLM's unquantized MoE method, with kittens experts when ``--moe-backend kittens``.
 
     Registered out-of-tree in place of ``UnquantizedFusedMoEMethod``; any other backend value
@@ -141,9 +182,7 @@ class KittensFusedMoEMethod(UnquantizedFusedMoEMethod):
     """
 
     def __init__(self, moe: FusedMoEConfig):
-        # Per-layer timing (timing.py); None when off, and then apply() is the stock one.
-        self._kittens_timing = timing.config_from_vllm()
-        self._kittens_timing_slot: int | None = None
+        self._init_timing()
         if moe.moe_backend != KITTENS:
             super().__init__(moe)
             return
@@ -163,26 +202,5 @@ class KittensFusedMoEMethod(UnquantizedFusedMoEMethod):
             "Triton kernels" if current_platform.is_cuda() else "torch reference",
         )
 
-    def process_weights_after_loading(self, layer) -> None:
-        super().process_weights_after_loading(layer)
-        if not self._kittens_timing.enabled or self.moe_kernel is None:
-            return
-        experts = self.moe_kernel.fused_experts
-        backend = KITTENS if isinstance(experts, KittensExperts) else f"stock ({self.unquantized_backend.value})"
-        self._kittens_timing_slot = timing.register_layer(
-            layer, self._kittens_timing, backend, type(experts).__name__
-        )
-        if isinstance(experts, KittensExperts):
-            experts._kittens_timing_slot = self._kittens_timing_slot
-
-    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
-        slot = self._kittens_timing_slot
-        if slot is None:
-            return super().apply(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
-        # The timer's copy of topk_ids feeds the experts and its copy of the output feeds the
-        # rest of the model, so a compiler cannot move either timer off the work it brackets.
-        topk_ids = timing.mark(topk_ids, slot, timing.BEGIN)
-        out = super().apply(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
-        if isinstance(out, torch.Tensor):
-            out = timing.mark(out, slot, timing.END)
-        return out
+    def _stock_backend(self) -> str:
+        return self.unquantized_backend.value
