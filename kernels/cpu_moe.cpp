@@ -113,11 +113,9 @@ void expert_block(const T* x, int64_t hidden, int64_t inter, const W* w13t, cons
 }
 
 template <typename T, typename W>
-void expert_rows_impl(const at::Tensor& x, const at::Tensor& row_token, const at::Tensor& row_expert,
+void expert_rows_impl(const at::Tensor& x, const int64_t* token, const int64_t* expert, int64_t num_rows,
                       const at::Tensor& w13t, const at::Tensor& w2t, at::Tensor& out) {
-  const int64_t num_local = w13t.size(0), inter = w2t.size(1), hidden = x.size(1), num_rows = row_token.size(0);
-  const int64_t* token = row_token.data_ptr<int64_t>();
-  const int64_t* expert = row_expert.data_ptr<int64_t>();
+  const int64_t num_local = w13t.size(0), inter = w2t.size(1), hidden = x.size(1);
   // Stable counting sort of the rows by expert: each expert sees its rows in the given order.
   std::vector<int64_t> start(num_local + 1, 0);
   for (int64_t r = 0; r < num_rows; ++r)
@@ -159,24 +157,14 @@ void expert_rows_impl(const at::Tensor& x, const at::Tensor& row_token, const at
   });
 }
 
-void check_rows_args(const at::Tensor& x, const at::Tensor& row_token, const at::Tensor& row_expert,
-                     const at::Tensor& w13, const at::Tensor& w2) {
-  TORCH_CHECK(x.dim() == 2 && w13.dim() == 3 && w2.dim() == 3, "expert_rows: bad ranks");
+void check_weights(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2) {
+  TORCH_CHECK(x.dim() == 2 && w13.dim() == 3 && w2.dim() == 3, "kittens CPU kernel: bad ranks");
   TORCH_CHECK(w13.size(1) == 2 * w2.size(2) && w13.size(2) == x.size(1) && w2.size(1) == x.size(1) &&
                   w13.size(0) == w2.size(0),
-              "expert_rows: weight shapes do not match hidden_states");
-  TORCH_CHECK(row_token.dim() == 1 && row_expert.sizes() == row_token.sizes(),
-              "expert_rows: row_token and row_expert must be 1-D of the same length");
-  TORCH_CHECK(row_token.scalar_type() == at::kLong && row_expert.scalar_type() == at::kLong,
-              "expert_rows: row_token and row_expert must be int64");
-  const int64_t* token = row_token.data_ptr<int64_t>();
-  const int64_t* expert = row_expert.data_ptr<int64_t>();
-  for (int64_t r = 0; r < row_token.size(0); ++r) {
-    TORCH_CHECK_INDEX(token[r] >= 0 && token[r] < x.size(0), "expert_rows: row ", r, " has token ", token[r],
-                      " outside [0, ", x.size(0), ")");
-    TORCH_CHECK_INDEX(expert[r] >= -1 && expert[r] < w13.size(0), "expert_rows: row ", r, " has local expert ",
-                      expert[r], " outside [-1, ", w13.size(0), ")");
-  }
+              "kittens CPU kernel: weight shapes do not match hidden_states");
+  TORCH_CHECK(w13.scalar_type() == w2.scalar_type() &&
+                  (w13.scalar_type() == x.scalar_type() || w13.scalar_type() == at::kFloat),
+              "kittens CPU kernel: weights must both have x's dtype or float32");
 }
 
 // Calls fn(T{}) for the activation dtypes kittens supports.
@@ -192,27 +180,45 @@ void dispatch_dtype(at::ScalarType dtype, const char* op, Fn fn) {
 
 }  // namespace
 
+// Runs the rows through their experts into out ([rows, H], zero-filled). The GEMMs read each
+// expert's weights transposed; weights that are already transposed views of contiguous
+// [E, H, 2I] and [E, I, H] tensors (what the vLLM glue keeps) are used in place, others are
+// transposed on every call.
+void run_rows(const at::Tensor& x, const int64_t* token, const int64_t* expert, int64_t num_rows,
+              const at::Tensor& w13, const at::Tensor& w2, at::Tensor& out) {
+  check_weights(x, w13, w2);
+  at::Tensor w13t = w13.transpose(1, 2).contiguous(), w2t = w2.transpose(1, 2).contiguous();
+  dispatch_dtype(x.scalar_type(), "kittens CPU kernel", [&](auto tag) {
+    using T = decltype(tag);
+    if (w13t.scalar_type() == at::kFloat)
+      expert_rows_impl<T, float>(x, token, expert, num_rows, w13t, w2t, out);
+    else
+      expert_rows_impl<T, T>(x, token, expert, num_rows, w13t, w2t, out);
+  });
+}
+
 // Expert output of every row, [rows, H] in x's dtype: row i is x[row_token[i]] through local
 // expert row_expert[i]; zero where that is -1. Weights in vLLM's layouts (w13 [E, 2I, H], w2
-// [E, H, I]), in x's dtype or float32. The GEMMs read each expert's weights transposed; weights
-// that are already transposed views of contiguous [E, H, 2I] and [E, I, H] tensors (what the
-// vLLM glue keeps) are used in place, others are transposed on every call.
+// [E, H, I]), in x's dtype or float32.
 at::Tensor expert_rows(const at::Tensor& x_in, const at::Tensor& row_token_in, const at::Tensor& row_expert_in,
                        const at::Tensor& w13, const at::Tensor& w2) {
   at::Tensor x = x_in.contiguous(), row_token = row_token_in.contiguous(), row_expert = row_expert_in.contiguous();
-  check_rows_args(x, row_token, row_expert, w13, w2);
-  at::Tensor w13t = w13.transpose(1, 2).contiguous(), w2t = w2.transpose(1, 2).contiguous();
-  TORCH_CHECK(w13.scalar_type() == w2.scalar_type() &&
-                  (w13.scalar_type() == x.scalar_type() || w13.scalar_type() == at::kFloat),
-              "expert_rows: weights must both have x's dtype or float32");
-  at::Tensor out = at::zeros({row_token.size(0), x.size(1)}, x.options());
-  dispatch_dtype(x.scalar_type(), "expert_rows", [&](auto tag) {
-    using T = decltype(tag);
-    if (w13.scalar_type() == at::kFloat)
-      expert_rows_impl<T, float>(x, row_token, row_expert, w13t, w2t, out);
-    else
-      expert_rows_impl<T, T>(x, row_token, row_expert, w13t, w2t, out);
-  });
+  TORCH_CHECK(row_token.dim() == 1 && row_expert.sizes() == row_token.sizes(),
+              "expert_rows: row_token and row_expert must be 1-D of the same length");
+  TORCH_CHECK(row_token.scalar_type() == at::kLong && row_expert.scalar_type() == at::kLong,
+              "expert_rows: row_token and row_expert must be int64");
+  check_weights(x, w13, w2);
+  const int64_t num_rows = row_token.size(0);
+  const int64_t* token = row_token.data_ptr<int64_t>();
+  const int64_t* expert = row_expert.data_ptr<int64_t>();
+  for (int64_t r = 0; r < num_rows; ++r) {
+    TORCH_CHECK_INDEX(token[r] >= 0 && token[r] < x.size(0), "expert_rows: row ", r, " has token ", token[r],
+                      " outside [0, ", x.size(0), ")");
+    TORCH_CHECK_INDEX(expert[r] >= -1 && expert[r] < w13.size(0), "expert_rows: row ", r, " has local expert ",
+                      expert[r], " outside [-1, ", w13.size(0), ")");
+  }
+  at::Tensor out = at::zeros({num_rows, x.size(1)}, x.options());
+  run_rows(x, token, expert, num_rows, w13, w2, out);
   return out;
 }
 
@@ -245,12 +251,46 @@ at::Tensor combine_topk(const at::Tensor& rows_in, const at::Tensor& weights_in)
   return out;
 }
 
+// The whole layer (reference.fused_moe_reference's contract, arguments checked by the caller
+// except the id values, checked here): rows (t, k) in token order, each through the local expert
+// of topk_ids[t, k], then the fixed-order combine.
+at::Tensor fused_moe(const at::Tensor& x_in, const at::Tensor& w13, const at::Tensor& w2,
+                     const at::Tensor& topk_weights, const at::Tensor& topk_ids_in,
+                     const c10::optional<at::Tensor>& expert_map_in) {
+  at::Tensor x = x_in.contiguous(), topk_ids = topk_ids_in.to(at::kLong).contiguous();
+  const int64_t tokens = topk_ids.size(0), top_k = topk_ids.size(1), num_local = w13.size(0);
+  at::Tensor expert_map;
+  if (expert_map_in.has_value()) expert_map = expert_map_in->to(at::kLong).contiguous();
+  const int64_t num_global = expert_map.defined() ? expert_map.numel() : num_local;
+  const int64_t* ids = topk_ids.data_ptr<int64_t>();
+  const int64_t num_rows = tokens * top_k;
+  if (num_rows) {
+    const auto [lo, hi] = std::minmax_element(ids, ids + num_rows);
+    TORCH_CHECK_VALUE(*lo >= 0 && *hi < num_global, "topk_ids out of range: found ids in [", *lo, ", ", *hi,
+                      "], valid range is [0, ", num_global, ")");
+  }
+  std::vector<int64_t> token(num_rows), expert(ids, ids + num_rows);
+  for (int64_t r = 0; r < num_rows; ++r) token[r] = r / top_k;
+  if (expert_map.defined() && num_global) {
+    const int64_t* map = expert_map.data_ptr<int64_t>();
+    const auto [lo, hi] = std::minmax_element(map, map + num_global);
+    TORCH_CHECK_VALUE(*lo >= -1 && *hi < num_local, "expert_map values must be -1 or local expert ids in [0, ",
+                      num_local, "); found [", *lo, ", ", *hi, "]");
+    for (int64_t& e : expert) e = map[e];
+  }
+  at::Tensor rows = at::zeros({num_rows, x.size(1)}, x.options());
+  run_rows(x, token.data(), expert.data(), num_rows, w13, w2, rows);
+  return combine_topk(rows.view({tokens, top_k, x.size(1)}), topk_weights);
+}
+
 TORCH_LIBRARY(mok_serve_cpu, m) {
   m.def("expert_rows(Tensor x, Tensor row_token, Tensor row_expert, Tensor w13, Tensor w2) -> Tensor");
   m.def("combine_topk(Tensor rows, Tensor weights) -> Tensor");
+  m.def("fused_moe(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, Tensor? expert_map) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mok_serve_cpu, CPU, m) {
   m.impl("expert_rows", &expert_rows);
   m.impl("combine_topk", &combine_topk);
+  m.impl("fused_moe", &fused_moe);
 }

@@ -4,7 +4,7 @@ It computes the function of ``reference.py``. The torch reference runs its GEMMs
 which is only batch invariant with each expert's rows padded to a multiple of 8 and costs tens
 of torch ops per call; at decode sizes that overhead is most of a layer's time. The C++ kernel
 sums every GEMM element in a fixed order itself (batch invariant by construction, no padding),
-reads bf16 weights directly and runs the whole layer in two calls.
+reads bf16 weights directly and runs the whole layer in one call.
 
 It is compiled with ``torch.utils.cpp_extension`` (a C++ compiler and ninja, which vLLM's CPU
 build needs as well) into torch's extension cache, once per machine. Where it cannot be built,
@@ -87,8 +87,12 @@ def fused_moe_cpu(
     activation: str = "silu",
 ) -> torch.Tensor:
     """``fused_moe`` on CPU tensors (same arguments and result as ``reference.fused_moe_reference``)."""
-    reference.check_fused_moe_args(hidden_states, w13, w2, topk_weights, topk_ids, expert_map, activation)
-    tokens, top_k = topk_ids.shape
-    row_token = torch.arange(tokens * top_k) // top_k
-    rows = expert_rows(hidden_states, row_token, reference.local_expert_ids(topk_ids, expert_map), w13, w2)
-    return combine_topk(rows.view(tokens, top_k, hidden_states.shape[1]), topk_weights)
+    if not available():
+        return reference.fused_moe_reference(
+            hidden_states, w13, w2, topk_weights, topk_ids, expert_map=expert_map, activation=activation
+        )
+    # The C++ op checks the id values itself (same messages), without a second pass in Python.
+    reference.check_fused_moe_args(
+        hidden_states, w13, w2, topk_weights, topk_ids, expert_map, activation, check_values=False
+    )
+    return torch.ops.mok_serve_cpu.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, expert_map)
