@@ -213,3 +213,19 @@ def test_random_text_prompts_reencode_to_exact_length():
         assert all(isinstance(x.prompt, str) for x in items)
         assert [len(tok.encode(x.prompt)) for x in items] == [il] * 24  # what the server will count
         assert items[0].prompt == workload.random_workload(1, il, 8, vocab, seed=il, tokenizer=tok)[0].prompt
+
+
+def test_layer_floor_counts_fp8_weight_bytes_and_rate():
+    import torch
+
+    from mok_serve.loadtest.layer_bench import PEAK_BYTES, floor_of
+
+    ids = torch.tensor([[0, 1], [1, 2]])  # 3 experts touched
+    bf16 = floor_of(2, 7168, 2048, 2, ids)
+    fp8 = floor_of(2, 7168, 2048, 2, ids, weight_bytes_per_elem=1.0 + 4.0 / 128**2, peak_flops=1.6e15)
+    weights = 3 * 3 * 7168 * 2048
+    assert bf16["touched"] == fp8["touched"] == 3
+    assert bf16["bytes"] - fp8["bytes"] == weights * (1.0 - 4.0 / 128**2)
+    assert fp8["bound"] == "weights" and fp8["floor_ms"] == fp8["bytes"] / PEAK_BYTES * 1e3
+    many = torch.arange(8192 * 8).remainder(256).view(8192, 8)
+    assert floor_of(8192, 7168, 2048, 8, many, 1.0, peak_flops=1.6e15)["floor_ms"] == 6.0 * 8192 * 8 * 7168 * 2048 / 1.6e15 * 1e3
