@@ -1,0 +1,237 @@
+"""The Triton FP8 (block-scaled) MoE on a CUDA GPU (Hopper): numerics, determinism, graphs.
+
+Run with ``pytest -m gpu tests/test_triton_moe_fp8_gpu.py``; skipped without CUDA. Every check
+draws fresh random inputs (the seed is printed so a failure can be replayed) and poisons outputs
+where the kernel writes them. The reference is ``fused_moe_fp8_reference`` on the GPU (fp32 GEMMs
+on dequantized operands, one expert at a time).
+"""
+
+import json
+import pathlib
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("triton")
+
+from mok_serve.kernels import fused_moe_fp8, fused_moe_fp8_reference  # noqa: E402
+from mok_serve.kernels.fp8 import quantize_fp8_blocks  # noqa: E402
+from mok_serve.kernels.triton_moe_fp8 import fused_moe_fp8_triton, pick_configs_fp8  # noqa: E402
+
+DEV = "cuda"
+SHAPES = json.loads((pathlib.Path(__file__).resolve().parents[1] / "configs" / "model_shapes.json").read_text())
+FAMILIES = [k for k in SHAPES if not k.startswith("_")]
+_WEIGHTS: dict = {}
+
+
+def fresh_seed() -> int:
+    seed = torch.seed() % 2**31
+    print(f"seed={seed}")
+    return seed
+
+
+def weights_for(family):
+    """(w13, w2, w13_scale, w2_scale) of a family: random bf16 experts quantized to FP8 16 experts
+    at a time (one family cached at a time: up to 17 GB)."""
+    if family not in _WEIGHTS:
+        _WEIGHTS.clear()
+        torch.cuda.empty_cache()
+        s = SHAPES[family]
+        E, H, I = s["routed_experts"], s["hidden"], s["moe_intermediate"]
+        g = torch.Generator(device=DEV).manual_seed(fresh_seed())
+        q13 = torch.empty(E, 2 * I, H, device=DEV, dtype=torch.float8_e4m3fn)
+        q2 = torch.empty(E, H, I, device=DEV, dtype=torch.float8_e4m3fn)
+        s13 = torch.empty(E, -(-2 * I // 128), -(-H // 128), device=DEV)
+        s2 = torch.empty(E, -(-H // 128), -(-I // 128), device=DEV)
+        for e0 in range(0, E, 16):
+            sl = slice(e0, e0 + 16)
+            n = q13[sl].shape[0]
+            w13 = torch.randn(n, 2 * I, H, device=DEV, dtype=torch.bfloat16, generator=g) / H**0.5
+            w2 = torch.randn(n, H, I, device=DEV, dtype=torch.bfloat16, generator=g) / I**0.5
+            (q13[sl], s13[sl]), (q2[sl], s2[sl]) = quantize_fp8_blocks(w13), quantize_fp8_blocks(w2)
+        _WEIGHTS[family] = (q13, q2, s13, s2)
+    return _WEIGHTS[family]
+
+
+def routing(tokens, experts, top_k, *, skewed=False, gen=None):
+    ids = torch.rand(tokens, experts, device=DEV, generator=gen).argsort(dim=1)[:, :top_k]
+    if skewed:  # half of all (token, k) assignments to expert 0 (duplicates within a token allowed)
+        flat = ids.reshape(-1)
+        pick = torch.randperm(flat.numel(), device=DEV, generator=gen)[: flat.numel() // 2]
+        flat[pick] = 0
+    w = torch.rand(tokens, top_k, device=DEV, generator=gen)
+    return w / w.sum(-1, keepdim=True), ids.to(torch.int32)
+
+
+def rel_err(out, ref):
+    assert not torch.isnan(out).any(), "NaN in output"
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def poisoned_call(*args, **kw):
+    """Run the op with the caching allocator's next block of that size filled with NaN first."""
+    junk = torch.full_like(args[0], float("nan"))
+    del junk  # the kernel's `out` is likely to reuse this NaN-filled block
+    return fused_moe_fp8(*args, **kw)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_against_dequantized_reference(family):
+    fp8 = weights_for(family)
+    E, H = fp8[0].shape[0], fp8[0].shape[2]
+    top_k = SHAPES[family]["top_k"]
+    g = torch.Generator(device=DEV).manual_seed(fresh_seed())
+    for tokens in (1, 7, 128, 1024):
+        for skewed in (False, True):
+            x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16, generator=g)
+            tw, ids = routing(tokens, E, top_k, skewed=skewed, gen=g)
+            out = poisoned_call(x, *fp8, tw, ids)
+            assert out.shape == x.shape and out.dtype == x.dtype
+            err = rel_err(out, fused_moe_fp8_reference(x, *fp8, tw, ids))
+            print(f"{family} T={tokens} skewed={skewed} rel_err={err:.2e}")
+            assert err <= 3e-2, (family, tokens, skewed, err)
+
+
+def test_deepseek_v3_token_counts():
+    fp8 = weights_for("DeepSeek-V3")
+    E, H = fp8[0].shape[0], fp8[0].shape[2]
+    g = torch.Generator(device=DEV).manual_seed(fresh_seed())
+    for tokens, skewed in ((1, False), (33, False), (512, True), (2048, False), (4096, True)):
+        x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16, generator=g)
+        tw, ids = routing(tokens, E, 8, skewed=skewed, gen=g)
+        err = rel_err(poisoned_call(x, *fp8, tw, ids), fused_moe_fp8_reference(x, *fp8, tw, ids))
+        print(f"DeepSeek-V3 T={tokens} skewed={skewed} configs={pick_configs_fp8(tokens, 8, E, H, 2048)} rel_err={err:.2e}")
+        assert err <= 3e-2, (tokens, skewed, err)
+
+
+def test_fp16_int64_ids_and_strided_weights():
+    q13, q2, s13, s2 = weights_for("Qwen3-30B-A3B")
+    q2_strided = q2.transpose(1, 2).contiguous().transpose(1, 2)  # same values, GEMM2 without TMA
+    g = torch.Generator(device=DEV).manual_seed(fresh_seed())
+    x = torch.randn(37, q13.shape[2], device=DEV, dtype=torch.float16, generator=g)
+    tw, ids = routing(37, q13.shape[0], 8, gen=g)
+    out = fused_moe_fp8(x, q13, q2, s13, s2, tw.half(), ids.long())
+    assert out.dtype == torch.float16
+    assert rel_err(out, fused_moe_fp8_reference(x, q13, q2, s13, s2, tw.half(), ids)) <= 3e-2
+    assert torch.equal(fused_moe_fp8(x, q13, q2_strided, s13, s2, tw.half(), ids.long()), out)
+
+
+def test_bitwise_repeatable_and_batch_invariant():
+    for family in ("DeepSeek-V3", "Qwen3-30B-A3B"):
+        fp8 = weights_for(family)
+        E, H, I = fp8[0].shape[0], fp8[0].shape[2], fp8[1].shape[2]
+        g = torch.Generator(device=DEV).manual_seed(fresh_seed())
+        x1 = torch.randn(1, H, device=DEV, dtype=torch.bfloat16, generator=g)
+        tw1, ids1 = routing(1, E, 8, gen=g)
+        alone = fused_moe_fp8(x1, *fp8, tw1, ids1)
+        assert torch.equal(alone, fused_moe_fp8(x1, *fp8, tw1, ids1))
+        for batch in (7, 128, 4096):
+            x = torch.randn(batch, H, device=DEV, dtype=torch.bfloat16, generator=g)
+            tw, ids = routing(batch, E, 8, gen=g)
+            for pos in (0, batch // 2, batch - 1):
+                xb, twb, idsb = x.clone(), tw.clone(), ids.clone()
+                xb[pos], twb[pos], idsb[pos] = x1[0], tw1[0], ids1[0]
+                out = fused_moe_fp8(xb, *fp8, twb, idsb)
+                assert torch.equal(out[pos], alone[0]), (family, batch, pos, pick_configs_fp8(batch, 8, E, H, I))
+            again = fused_moe_fp8(xb, *fp8, twb, idsb)
+            assert torch.equal(out, again), (family, batch, "not repeatable")
+
+
+def test_cuda_graph_capture_and_replay_with_new_data():
+    fp8 = weights_for("Qwen3-30B-A3B")
+    E, H = fp8[0].shape[0], fp8[0].shape[2]
+    g = torch.Generator(device=DEV).manual_seed(fresh_seed())
+    for tokens in (1, 64, 2048):
+        x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16, generator=g)
+        tw, ids = routing(tokens, E, 8, gen=g)
+        fused_moe_fp8(x, *fp8, tw, ids)  # warm up (compile) outside the capture
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fused_moe_fp8(x, *fp8, tw, ids)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fused_moe_fp8(x, *fp8, tw, ids)
+        for skewed in (False, True):
+            x.copy_(torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16, generator=g))
+            tw_new, ids_new = routing(tokens, E, 8, skewed=skewed, gen=g)
+            tw.copy_(tw_new)
+            ids.copy_(ids_new)
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, fused_moe_fp8(x, *fp8, tw, ids)), (tokens, skewed)
+
+
+def test_expert_map_with_remote_experts():
+    fp8 = weights_for("Qwen3-235B-A22B")
+    local, H = fp8[0].shape[0], fp8[0].shape[2]
+    num_global = 2 * local
+    g = torch.Generator(device=DEV).manual_seed(fresh_seed())
+    perm = torch.randperm(num_global, device=DEV, generator=g)
+    expert_map = torch.full((num_global,), -1, device=DEV, dtype=torch.int32)
+    expert_map[perm[:local]] = torch.arange(local, device=DEV, dtype=torch.int32)
+    for tokens in (1, 33, 700):
+        x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16, generator=g)
+        tw, ids = routing(tokens, num_global, 8, gen=g)
+        out = poisoned_call(x, *fp8, tw, ids, expert_map=expert_map)
+        assert rel_err(out, fused_moe_fp8_reference(x, *fp8, tw, ids, expert_map=expert_map)) <= 3e-2
+    # A token routed only to remote experts is exactly zero.
+    ids[0] = perm[local : local + 8].to(torch.int32)
+    out = fused_moe_fp8(x, *fp8, tw, ids, expert_map=expert_map)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+
+
+def test_out_of_range_ids_raise_eagerly_and_stay_in_bounds_under_capture():
+    fp8 = weights_for("Qwen3-235B-A22B")
+    E, H = fp8[0].shape[0], fp8[0].shape[2]
+    g = torch.Generator(device=DEV).manual_seed(fresh_seed())
+    x = torch.randn(16, H, device=DEV, dtype=torch.bfloat16, generator=g)
+    tw, ids = routing(16, E, 8, gen=g)
+    bad = ids.clone()
+    bad[3, 2] = E + 5
+    bad[9, 0] = -4
+    with pytest.raises(ValueError, match="out of range"):
+        fused_moe_fp8(x, *fp8, tw, bad)
+    graph = torch.cuda.CUDAGraph()
+    fused_moe_fp8(x, *fp8, tw, ids)
+    with torch.cuda.graph(graph):
+        out = fused_moe_fp8_triton(x, *fp8, tw, bad)
+    graph.replay()
+    torch.cuda.synchronize()
+    keep = torch.ones_like(tw)
+    keep[3, 2] = 0
+    keep[9, 0] = 0
+    assert rel_err(out, fused_moe_fp8_reference(x, *fp8, tw * keep, ids)) <= 3e-2
+
+
+def test_nan_stays_in_its_token():
+    fp8 = weights_for("Qwen3-235B-A22B")
+    E, H = fp8[0].shape[0], fp8[0].shape[2]
+    g = torch.Generator(device=DEV).manual_seed(fresh_seed())
+    for tokens in (5, 600):
+        x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16, generator=g)
+        tw, ids = routing(tokens, E, 8, skewed=True, gen=g)
+        x[2, 17] = float("nan")
+        out = fused_moe_fp8(x, *fp8, tw, ids)
+        assert torch.isnan(out[2]).all()
+        assert not torch.isnan(torch.cat([out[:2], out[3:]])).any()
+
+
+def test_odd_shapes_not_multiples_of_128():
+    g = torch.Generator(device=DEV).manual_seed(fresh_seed())
+    E, H, I = 6, 200, 72
+    w13 = torch.randn(E, 2 * I, H, device=DEV, generator=g) / H**0.5
+    w2 = torch.randn(E, H, I, device=DEV, generator=g) / I**0.5
+    (q13, s13), (q2, s2) = quantize_fp8_blocks(w13), quantize_fp8_blocks(w2)
+    fp8 = (q13, q2, s13, s2)
+    for tokens in (1, 50, 300):
+        x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16, generator=g)
+        tw, ids = routing(tokens, E, 3, gen=g)
+        out = poisoned_call(x, *fp8, tw, ids)
+        assert rel_err(out, fused_moe_fp8_reference(x, *fp8, tw, ids)) <= 3e-2
