@@ -1,9 +1,13 @@
 """Real `mok-serve` servers on the CPU: the OpenAI API through the official client, kittens vs
 the stock backend, batch invariance, CPU tensor parallel + expert parallel, start-up errors."""
 
+import json
+import shutil
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 from serving_utils import PROMPTS, client, greedy, greedy_all, model_id
 
 from mok_serve import tiny_models
@@ -99,14 +103,24 @@ def test_data_parallel_2_expert_parallel_equals_tp1(kittens_server):
             assert f"kittens EP: rank {rank} of 2 dispatches and combines over shared memory (per-rank tokens)" in log
 
 
+SUPPORTED_MESSAGE = (
+    r"kittens runs unquantized MoE layers \(bfloat16, float16 or float32 expert weights\) and "
+    r"block-FP8 checkpoints \(quant_method 'fp8', weight_block_size \[128, 128\]"
+)
+
+
 def test_quantized_model_fails_at_start_up():
     server = ServerProcess(["--quantization", "fp8", *COMMON])
-    with pytest.raises(ServerError, match="kittens runs unquantized MoE layers only.*quantized with 'fp8'"):
+    with pytest.raises(ServerError, match=f"{SUPPORTED_MESSAGE}.*this model is quantized with 'fp8' at load time"):
         server.start()
 
 
 OTHER_FAMILIES = [
-    f for f in sorted(tiny_models.FAMILIES) if f != tiny_models.DEFAULT_FAMILY and f not in tiny_models.UNSERVABLE_ON_CPU
+    f
+    for f in sorted(tiny_models.FAMILIES)
+    if f != tiny_models.DEFAULT_FAMILY
+    and f not in tiny_models.UNSERVABLE_ON_CPU
+    and tiny_models.FAMILIES[f].quantization is None
 ]
 
 
@@ -118,3 +132,76 @@ def test_family_served_by_kittens_equals_stock(family):
         assert "Using KittensExperts MoE backend" in kittens.log()
     with ServerProcess([model, "--moe-backend", "auto", *COMMON]) as stock:
         assert greedy_all(stock, PROMPTS[:3]) == ours
+
+
+FP8_FAMILY = "deepseek_v3_fp8"
+FP8_LINE = "kittens: block-FP8 MoE layers run mok-serve's kittens experts (fused_moe_fp8, torch reference)"
+
+
+@pytest.fixture(scope="module")
+def fp8_model():
+    return tiny_models.build_tiny_model(FP8_FAMILY)
+
+
+def _dequantized_copy(fp8_dir, out):
+    """The FP8 tiny model with its experts dequantized to bf16: the same weights, unquantized."""
+    from safetensors.torch import load_file, save_file
+
+    from mok_serve.kernels.fp8 import dequantize_fp8_blocks
+
+    shutil.copytree(fp8_dir, out)
+    weights = load_file(str(fp8_dir / "model.safetensors"))
+    scales = {k.removesuffix("_scale_inv"): weights.pop(k) for k in list(weights) if k.endswith("_scale_inv")}
+    for name, scale in scales.items():
+        weights[name] = dequantize_fp8_blocks(weights[name], scale).to(torch.bfloat16)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    del config["quantization_config"]
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_block_fp8_model_served_by_kittens(fp8_model, tmp_path):
+    with ServerProcess([str(fp8_model), *COMMON]) as kittens:
+        ours = greedy_all(kittens)
+        assert kittens.log().count(FP8_LINE) == 1, "the FP8 kittens line must be logged once per process"
+        with urllib.request.urlopen(f"{kittens.url}/v1/kittens/layers") as r:
+            layers = json.load(r)
+        assert layers["backend"] == "kittens" and len(layers["layers"]) == 2
+        for layer in layers["layers"]:
+            (rank,) = layer["ranks"]
+            assert rank["experts_class"] == "KittensFp8Experts" and rank["calls"] > 0
+
+        prompt = PROMPTS[1]
+        alone = greedy(kittens, prompt, max_tokens=32)
+        others = [f"{PROMPTS[i % len(PROMPTS)]} (variant {i})" for i in range(15)]
+        with ThreadPoolExecutor(16) as pool:
+            together = list(pool.map(lambda p: greedy(kittens, p, max_tokens=32), [prompt, *others]))
+        assert together[0] == alone
+
+    # Stock vLLM has no FP8 MoE kernel for this CPU (test below), so the stock backend serves the
+    # same weights dequantized to bf16; kittens also quantizes the activations (W8A8, 1x128 groups)
+    # and the greedy tokens still agree.
+    with ServerProcess([str(_dequantized_copy(fp8_model, tmp_path / "bf16")), "--moe-backend", "auto", *COMMON]) as stock:
+        assert greedy_all(stock) == ours
+
+
+def test_stock_backend_cannot_run_block_fp8_on_this_cpu(fp8_model):
+    """vLLM 0.32's CPU FP8 MoE experts need AMX (CPUExpertsFp8: AMX tiles; CPUExpertsFp8W8A8:
+    AMX-FP8); without them its FP8 oracle finds no backend and loading fails."""
+    if torch.cpu._is_amx_tile_supported():
+        pytest.skip("this CPU has AMX tiles: vLLM's CPUExpertsFp8 can run here")
+    server = ServerProcess([str(fp8_model), "--moe-backend", "auto", *COMMON])
+    with pytest.raises(ServerError):
+        server.start()
+    assert "ValueError: Unsupported FP8 MoE backend: NONE" in server.log()
+
+
+def test_unsupported_fp8_block_size_fails_at_start_up(fp8_model, tmp_path):
+    model = shutil.copytree(fp8_model, tmp_path / "fp8-64x64")
+    config = json.loads((model / "config.json").read_text())
+    config["quantization_config"]["weight_block_size"] = [64, 64]
+    (model / "config.json").write_text(json.dumps(config))
+    server = ServerProcess([str(model), *COMMON])
+    with pytest.raises(ServerError, match=f"{SUPPORTED_MESSAGE}.*'fp8' checkpoint with weight_block_size \\[64, 64\\]"):
+        server.start()
