@@ -1,0 +1,98 @@
+"""The FP8 Triton kernels compile for Hopper (sm_90a) without a GPU: fp8 wgmma, no register spills.
+
+Compiled as a launch would specialize them (16-byte aligned pointers, ints divisible by 16 marked,
+unit strides constant) with the block sizes ``pick_configs_fp8`` chooses for DeepSeek-V3, then
+``ptxas -v`` reports registers and spills. Runs in a subprocess because the tests' conftest puts
+Triton into interpreter mode on CPU-only machines. The GPU machine's Triton (3.6) may compile
+differently from the one here; this catches type errors, spills and lost wgmma early.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = r"""
+import json, os, subprocess, sys
+os.environ.pop("TRITON_INTERPRET", None)
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.compiler import ASTSource
+from mok_serve.kernels import triton_moe_fp8 as tf
+
+H, I, E, K = 7168, 2048, 256, 8
+ptr = lambda t: "*" + t
+results = {}
+
+def build(name, fn, types, ints, consts, num_warps, num_stages):
+    sig, attrs, consts = {}, {}, dict(consts)
+    for i, a in enumerate(fn.arg_names):
+        if a in consts:
+            sig[a] = "constexpr"
+        elif a in types:
+            sig[a] = types[a]
+            attrs[(i,)] = [["tt.divisibility", 16]] if types[a].startswith("*") else []
+        elif ints[a] == 1:
+            consts[a], sig[a] = 1, "constexpr"
+        else:
+            sig[a] = "i32"
+            if ints[a] % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+    path = f"{sys.argv[1]}/{name}.ptx"
+    with open(path, "w") as f:
+        f.write(k.asm["ptx"])
+    log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o", os.devnull],
+                         capture_output=True, text=True, check=True).stderr
+    results[name] = dict(shared=k.metadata.shared, fp8_wgmma="f32.e4m3.e4m3" in k.asm["ptx"], ptxas=log)
+
+for tokens in (1, 4096):
+    g1, g2 = tf.pick_configs_fp8(tokens, K, E, H, I)
+    build(f"gemm1_T{tokens}", tf._fp8_gemm1_kernel,
+          dict(xq_ptr=ptr("fp8e4nv"), xs_ptr=ptr("fp32"), w_ptr=ptr("fp8e4nv"), ws_ptr=ptr("fp32"),
+               actq_ptr=ptr("fp8e4nv"), acts_ptr=ptr("fp32"), sorted_rows_ptr=ptr("i32"), counts_ptr=ptr("i32")),
+          dict(num_local=E, H=H, I=I, num_m=1000, stride_we=2 * I * H, stride_wn=H, stride_wk=1,
+               stride_se=32 * 56, stride_sn=56, stride_sk=1),
+          dict(IN_DTYPE=tl.bfloat16, TOPK=K, E_PAD=E, SCALE_BN=128, BLOCK_M=g1["BLOCK_M"], EVEN_K=True,
+               EVEN_N=True, GROUP_M=g1["GROUP_M"], RNE_FIX=False),
+          g1["num_warps"], g1["num_stages"])
+    build(f"gemm2_T{tokens}", tf._fp8_gemm2_kernel,
+          dict(actq_ptr=ptr("fp8e4nv"), acts_ptr=ptr("fp32"), w_ptr=ptr("fp8e4nv"), ws_ptr=ptr("fp32"),
+               w_desc=f"tensordesc<fp8e4nv[{g2['BLOCK_N']}, 128]>", y_ptr=ptr("bf16"),
+               sorted_rows_ptr=ptr("i32"), counts_ptr=ptr("i32")),
+          dict(num_local=E, H=H, I=I, num_m=1000, stride_we=H * I, stride_wn=I, stride_wk=1,
+               stride_se=56 * 16, stride_sn=16, stride_sk=1),
+          dict(E_PAD=E, SCALE_BN=128, BLOCK_M=g2["BLOCK_M"], BLOCK_N=g2["BLOCK_N"], EVEN_K=True, EVEN_N=True,
+               USE_TMA=True, GROUP_M=g2["GROUP_M"], RNE_FIX=False),
+          g2["num_warps"], g2["num_stages"])
+build("schedule_quantize", tf._fp8_schedule_quantize_kernel,
+      dict(topk_ids_ptr=ptr("i32"), expert_map_ptr=ptr("i32"), counts_ptr=ptr("i32"), sorted_rows_ptr=ptr("i32"),
+           x_ptr=ptr("bf16"), xq_ptr=ptr("fp8e4nv"), xs_ptr=ptr("fp32")),
+      dict(num_rows=8 * 4096, num_global=E, num_local=E, stride_it=K, stride_ik=1, tokens=4096, H=H,
+           stride_xt=H, stride_xh=1),
+      dict(TOPK=K, HAS_MAP=True, BLOCK=4096, QROWS=32, RNE_FIX=False), 8, 1)
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.timeout(600)
+def test_kernels_compile_for_sm90_with_fp8_wgmma_and_no_spills(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True, env=env)
+    if proc.returncode and "get_ptxas" in proc.stderr and "ImportError" in proc.stderr:
+        pytest.skip("this Triton has no get_ptxas")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, r in results.items():
+        print(name, r["shared"], r["ptxas"].strip().splitlines()[-2:])
+        assert "0 bytes spill stores, 0 bytes spill loads" in r["ptxas"], (name, r["ptxas"])
+        assert r["shared"] <= 227 * 1024, (name, r["shared"])
+        if name.startswith("gemm"):
+            assert r["fp8_wgmma"], f"{name} does not use fp8 wgmma"
