@@ -59,14 +59,17 @@ def float64_fp8_moe(x, q13, q2, s13, s2, weights, ids, expert_map=None, block=(1
 # --- quantization helpers ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("shape,block", [((3, 256, 384), (128, 128)), ((2, 200, 72), (128, 128)), ((5, 96, 130), (64, 32))])
+@pytest.mark.parametrize(
+    "shape,block", [((3, 256, 384), (128, 128)), ((2, 200, 72), (128, 128)), ((5, 96, 130), (64, 32))]
+)
 def test_block_quantization_round_trip(shape, block):
     g = torch.Generator().manual_seed(1)
     w = torch.randn(shape, generator=g) * torch.logspace(-3, 3, shape[-1])  # wide dynamic range
     w[0, : block[0], : block[1]] = 0  # an all-zero block
     q, s = quantize_fp8_blocks(w, block)
     assert q.dtype == torch.float8_e4m3fn and q.shape == w.shape
-    assert s.dtype == torch.float32 and s.shape == (shape[0], math.ceil(shape[1] / block[0]), math.ceil(shape[2] / block[1]))
+    assert s.dtype == torch.float32
+    assert s.shape == (shape[0], math.ceil(shape[1] / block[0]), math.ceil(shape[2] / block[1]))
     assert torch.isfinite(s).all() and (s > 0).all(), "scales must be positive and finite"
     # Each scale is its block's amax / 448, so the block's largest element quantizes to +-448.
     blocks = F.pad(w.abs(), (0, -shape[2] % block[1], 0, -shape[1] % block[0]))

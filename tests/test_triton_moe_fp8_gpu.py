@@ -104,7 +104,8 @@ def test_deepseek_v3_token_counts():
         x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16, generator=g)
         tw, ids = routing(tokens, E, 8, skewed=skewed, gen=g)
         err = rel_err(poisoned_call(x, *fp8, tw, ids), fused_moe_fp8_reference(x, *fp8, tw, ids))
-        print(f"DeepSeek-V3 T={tokens} skewed={skewed} configs={pick_configs_fp8(tokens, 8, E, H, 2048)} rel_err={err:.2e}")
+        configs = pick_configs_fp8(tokens, 8, E, H, 2048)
+        print(f"DeepSeek-V3 T={tokens} skewed={skewed} configs={configs} rel_err={err:.2e}")
         assert err <= 3e-2, (tokens, skewed, err)
 
 
