@@ -582,8 +582,9 @@ def _make_config(fam: TinyFamily, vocab: int, ids: dict[str, int]) -> dict[str, 
     d.pop("transformers_version", None)
     if fam.quantization:
         # Only the routed experts are quantized: vLLM's CPU FP8 linear kernels need AMX, and the
-        # experts are what kittens runs. Every other linear layer is listed as left in bf16.
-        linears = [name for name, _, kind in _param_specs(fam, vocab) if kind == "linear"]
+        # experts are what kittens runs. Every other linear layer (routers included: Qwen3-MoE's
+        # is a quantizable linear in vLLM) is listed as left in bf16.
+        linears = [name for name, _, kind in _param_specs(fam, vocab) if kind in ("linear", "router")]
         ignored = [name.removesuffix(".weight") for name in linears if not _is_routed_expert(name)]
         d["quantization_config"] = {**fam.quantization, "ignored_layers": ignored}
     return d

@@ -240,9 +240,10 @@ def test_fp8_family_is_its_bf16_family_with_block_fp8_experts(built, built_fp8, 
         w, error = w.float(), (dequantize_fp8_blocks(q, scale) - w.float()).abs()
         bound = torch.maximum(w.abs() / 16, scale.repeat_interleave(128, 0).repeat_interleave(128, 1) / 1024)
         assert (error <= bound * 1.0001).all(), name
-    # Every other linear layer stays bf16 and is named so (vLLM's CPU FP8 linears need AMX).
+    # Every other linear layer, routers included, stays bf16 and is named so (vLLM's CPU FP8
+    # linears need AMX).
     linears = {k.removesuffix(".weight") for k, v in bf16.items() if v.dim() == 2 and k not in experts}
-    linears -= {"model.embed_tokens", "lm_head"} | {k for k in linears if k.endswith(".mlp.gate")}
+    linears -= {"model.embed_tokens", "lm_head"}
     assert set(quant["ignored_layers"]) == linears
 
 
