@@ -82,19 +82,9 @@ def fused_moe(
     return torch.ops.mok_serve.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, expert_map, activation)
 
 
-@torch.library.custom_op("mok_serve::fused_moe_fp8", mutates_args=())
-def _fused_moe_fp8_op(
-    hidden_states: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    w13_scale: torch.Tensor,
-    w2_scale: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    expert_map: torch.Tensor | None,
-    activation: str,
-    block_shape: list[int],
-) -> torch.Tensor:
+def _fused_moe_fp8_impl(
+    hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, expert_map, activation, block_shape
+):
     args = (hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids)
     kwargs = dict(expert_map=expert_map, activation=activation, block_shape=tuple(block_shape))
     if hidden_states.is_cuda:
@@ -104,9 +94,17 @@ def _fused_moe_fp8_op(
     return fused_moe_fp8_reference(*args, **kwargs)
 
 
-@_fused_moe_fp8_op.register_fake
 def _fused_moe_fp8_shape(hidden_states, *args):
     return torch.empty_like(hidden_states)
+
+
+if not hasattr(torch.ops.mok_serve, "fused_moe_fp8"):  # (defined once: see fused_moe above)
+    _lib.define(
+        "fused_moe_fp8(Tensor hidden_states, Tensor w13, Tensor w2, Tensor w13_scale, Tensor w2_scale, "
+        "Tensor topk_weights, Tensor topk_ids, Tensor? expert_map, str activation, int[] block_shape) -> Tensor"
+    )
+    _lib.impl("fused_moe_fp8", _fused_moe_fp8_impl, "CompositeExplicitAutograd")
+    torch.library.register_fake("mok_serve::fused_moe_fp8", _fused_moe_fp8_shape, lib=_lib)
 
 
 def fused_moe_fp8(

@@ -47,7 +47,10 @@ import triton.language as tl
 
 from .reference import check_fused_moe_args
 
-__all__ = ["combine_block", "fused_moe_triton", "launch_gemm1", "launch_gemm2", "launch_schedule", "pick_configs"]
+__all__ = [
+    "combine_block", "fused_moe_triton", "launch_combine", "launch_gemm1", "launch_gemm2", "launch_schedule",
+    "pick_configs",
+]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -437,17 +440,25 @@ def launch_schedule(
     sorted_rows: torch.Tensor,
     num_local: int,
     num_global: int,
+    *,
+    kernel=None,
+    extra_programs: int = 0,
+    extra_args: tuple = (),
+    **extra_constexprs,
 ) -> None:
     """``_moe_schedule_kernel`` over every (token, k) row of ``topk_ids`` ``[N, K]``: per-expert
-    ``counts`` and ``sorted_rows`` (each expert's rows, in row order). ``num_local >= 1``."""
+    ``counts`` and ``sorted_rows`` (each expert's rows, in row order). ``num_local >= 1``.
+    ``kernel`` replaces it by a kernel with the same leading parameters whose programs
+    ``>= num_local`` do other work (``extra_programs`` of them; the FP8 quantization pass),
+    ``extra_args`` / ``extra_constexprs`` being its own ones."""
     rows = topk_ids.shape[0] * topk_ids.shape[1]
     has_map = expert_map is not None
-    _moe_schedule_kernel[(num_local,)](
+    (_moe_schedule_kernel if kernel is None else kernel)[(num_local + extra_programs,)](
         topk_ids, expert_map if has_map else topk_ids, counts, sorted_rows,  # (dummy pointer without a map)
-        rows, num_global, num_local, topk_ids.stride(0), topk_ids.stride(1),
+        rows, num_global, num_local, topk_ids.stride(0), topk_ids.stride(1), *extra_args,
         # Every program scans all rows (twice): wide blocks keep that latency-bound loop short.
         TOPK=topk_ids.shape[1], HAS_MAP=has_map, BLOCK=4096 if rows > 2048 else 256 if rows <= 256 else 1024,
-        num_warps=8 if rows > 2048 else 4,
+        num_warps=8 if rows > 2048 else 4, **extra_constexprs,
     )
 
 
@@ -531,6 +542,30 @@ def combine_block(hidden: int) -> int:
     return min(1024, max(16, triton.next_power_of_2(hidden)))
 
 
+def launch_combine(
+    y: torch.Tensor,
+    out: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    num_local: int,
+    num_global: int,
+    *,
+    interpret: bool,
+) -> None:
+    """``_moe_combine_kernel``: ``out[t] = sum_k w[t, k] * y[t * K + k]`` in fp32, k in order,
+    over the local experts' rows only. ``out`` has ``tokens >= 1`` rows."""
+    tokens, hidden = out.shape
+    has_map = expert_map is not None
+    block_h = combine_block(hidden)
+    _moe_combine_kernel[(tokens, triton.cdiv(hidden, block_h))](
+        y, out, topk_ids, topk_weights, expert_map if has_map else topk_ids,
+        hidden, num_global, num_local,
+        topk_ids.stride(0), topk_ids.stride(1), topk_weights.stride(0), topk_weights.stride(1), out.stride(0),
+        TOPK=topk_ids.shape[1], HAS_MAP=has_map, BLOCK_H=block_h, RNE_FIX=interpret, num_warps=4,
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # Launcher
 # ----------------------------------------------------------------------------------------------
@@ -569,8 +604,6 @@ def fused_moe_triton(
         return out.zero_()
     rows = tokens * top_k
     num_global = expert_map.numel() if expert_map is not None else num_local
-    has_map = expert_map is not None
-    emap = expert_map if has_map else topk_ids  # dummy pointer when there is no map
     interpret = _interpreting()
 
     counts = torch.empty(num_local, dtype=torch.int32, device=dev)
@@ -582,11 +615,5 @@ def fused_moe_triton(
     g1, g2 = _configs if _configs is not None else pick_configs(tokens, top_k, num_local, hidden, inter)
     launch_gemm1(hidden_states, w13, act, sorted_rows, counts, rows, top_k, g1, interpret=interpret)
     launch_gemm2(act, w2, y, sorted_rows, counts, rows, g2, interpret=interpret)
-    block_h = combine_block(hidden)
-    _moe_combine_kernel[(tokens, triton.cdiv(hidden, block_h))](
-        y, out, topk_ids, topk_weights, emap,
-        hidden, num_global, num_local,
-        topk_ids.stride(0), topk_ids.stride(1), topk_weights.stride(0), topk_weights.stride(1), out.stride(0),
-        TOPK=top_k, HAS_MAP=has_map, BLOCK_H=block_h, RNE_FIX=interpret, num_warps=4,
-    )
+    launch_combine(y, out, topk_ids, topk_weights, expert_map, num_local, num_global, interpret=interpret)
     return out

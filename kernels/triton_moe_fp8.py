@@ -29,16 +29,29 @@ non-local experts are masked by the reused schedule/combine kernels; eagerly the
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from .fp8 import AMAX_FLOOR, BLOCK_SHAPE, FP8_DTYPE, FP8_MAX, check_fused_moe_fp8_args
-from .triton_moe import _cast, _moe_combine_kernel, _moe_schedule_kernel, _program_tile, _tile_of
+from .triton_moe import (
+    _cast,
+    _descriptor,
+    _e_pad,
+    _gemm_config,
+    _interpreting,
+    _max_row_tiles,
+    _moe_schedule_kernel,
+    _program_tile,
+    _tile_of,
+    launch_combine,
+    launch_schedule,
+)
 
-__all__ = ["fused_moe_fp8_triton", "pick_configs_fp8"]
+__all__ = [
+    "fused_moe_fp8_triton", "launch_fp8_gemm1", "launch_fp8_gemm2", "launch_fp8_schedule_quantize",
+    "pick_configs_fp8", "quantize_programs",
+]
 
 GROUP = 128  # activation group = weight K block = every GEMM's BLOCK_K = GEMM1's column tile
 _GROUP = tl.constexpr(GROUP)
@@ -80,6 +93,24 @@ def _quantize_rows(v, RNE_FIX: tl.constexpr):
 
 
 @triton.jit
+def _quantize_tile(q, x_ptr, xq_ptr, xs_ptr, tokens, H, stride_xt, stride_xh, QROWS: tl.constexpr, RNE_FIX: tl.constexpr):
+    """Quantization program ``q``: one ``[QROWS tokens, 128 columns]`` tile of ``x`` into ``xq``
+    (e4m3, ``[tokens, H]`` contiguous) and ``xs`` (fp32, ``[tokens, cdiv(H, 128)]`` contiguous).
+    Shared by the one-GPU launch 1 and the expert-parallel post (ep_cuda.py): the same bits."""
+    num_g = tl.cdiv(H, _GROUP)
+    g = q % num_g
+    offs_t = (q // num_g) * QROWS + tl.arange(0, QROWS)
+    offs_c = g * _GROUP + tl.arange(0, _GROUP)
+    t_ok = offs_t < tokens
+    ok = t_ok[:, None] & (offs_c < H)[None, :]
+    t64 = offs_t.to(tl.int64)
+    v = tl.load(x_ptr + t64[:, None] * stride_xt + offs_c[None, :] * stride_xh, mask=ok, other=0.0)
+    xq, xs = _quantize_rows(v.to(tl.float32), RNE_FIX)
+    tl.store(xq_ptr + t64[:, None] * H + offs_c[None, :], xq, mask=ok)
+    tl.store(xs_ptr + t64 * num_g + g, xs, mask=t_ok)
+
+
+@triton.jit
 def _fp8_schedule_quantize_kernel(
     topk_ids_ptr, expert_map_ptr, counts_ptr, sorted_rows_ptr,
     num_rows, num_global, num_local, stride_it, stride_ik,
@@ -94,19 +125,7 @@ def _fp8_schedule_quantize_kernel(
             num_rows, num_global, num_local, stride_it, stride_ik, TOPK, HAS_MAP, BLOCK,
         )
     else:
-        # One [QROWS tokens, 128 columns] tile of hidden_states per program.
-        num_g = tl.cdiv(H, _GROUP)
-        q = pid - num_local
-        g = q % num_g
-        offs_t = (q // num_g) * QROWS + tl.arange(0, QROWS)
-        offs_c = g * _GROUP + tl.arange(0, _GROUP)
-        t_ok = offs_t < tokens
-        ok = t_ok[:, None] & (offs_c < H)[None, :]
-        t64 = offs_t.to(tl.int64)
-        v = tl.load(x_ptr + t64[:, None] * stride_xt + offs_c[None, :] * stride_xh, mask=ok, other=0.0)
-        xq, xs = _quantize_rows(v.to(tl.float32), RNE_FIX)
-        tl.store(xq_ptr + t64[:, None] * H + offs_c[None, :], xq, mask=ok)
-        tl.store(xs_ptr + t64 * num_g + g, xs, mask=t_ok)
+        _quantize_tile(pid - num_local, x_ptr, xq_ptr, xs_ptr, tokens, H, stride_xt, stride_xh, QROWS, RNE_FIX)
 
 
 @triton.jit
@@ -169,6 +188,51 @@ def _fp8_gemm1_kernel(
 
 
 @triton.jit
+def _fp8_gemm2_tile(
+    actq_ptr, acts_ptr, w_ptr, w_desc, ws_ptr, e, start_e, offs_m, row_ok, pid_n, H, I,
+    stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+    SCALE_BN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] tile of FP8 GEMM2 for expert ``e``: fp32 accumulator, columns, mask.
+    Shared by every FP8 GEMM2 epilogue (here and the expert-parallel push in ep_cuda.py)."""
+    offs_k = tl.arange(0, _GROUP)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < H
+    e64 = e.to(tl.int64)
+    src = (start_e + offs_m).to(tl.int64)
+    a_ptrs = actq_ptr + src[:, None] * I + offs_k[None, :]
+    as_ptrs = acts_ptr + src * tl.cdiv(I, _GROUP)
+    w_ptrs = w_ptr + e64 * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    # (masked by n_ok: TMA tiles of the last expert reach past its scale rows)
+    ws_ptrs = ws_ptr + e64 * stride_se + (offs_n // SCALE_BN) * stride_sn
+    row_w = e * H + pid_n * BLOCK_N  # row of w2 viewed as [E*H, I] (TMA path)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kb in range(0, tl.cdiv(I, _GROUP)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            k_ok = offs_k < I - kb * _GROUP
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if USE_TMA:
+            # Rows past H spill into the next expert (masked at the store); past the tensor: zeros.
+            b = w_desc.load([row_w, kb * _GROUP]).T
+        elif EVEN_K:
+            if EVEN_N:
+                b = tl.load(w_ptrs)
+            else:
+                b = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        sa = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
+        sb = tl.load(ws_ptrs + kb * stride_sk, mask=n_ok, other=0.0)
+        acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+        a_ptrs += _GROUP
+        w_ptrs += _GROUP * stride_wk
+    return acc, offs_n, n_ok
+
+
+@triton.jit
 def _fp8_gemm2_kernel(
     actq_ptr, acts_ptr, w_ptr, w_desc, ws_ptr, y_ptr, sorted_rows_ptr, counts_ptr,
     num_local, H, I, num_m,
@@ -185,39 +249,11 @@ def _fp8_gemm2_kernel(
         offs_m = m0 + tl.arange(0, BLOCK_M)
         row_ok = offs_m < count_e
         rows = tl.load(sorted_rows_ptr + start_e + offs_m, mask=row_ok, other=0)
-        offs_k = tl.arange(0, _GROUP)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < H
-        e64 = e.to(tl.int64)
-        src = (start_e + offs_m).to(tl.int64)
-        a_ptrs = actq_ptr + src[:, None] * I + offs_k[None, :]
-        as_ptrs = acts_ptr + src * tl.cdiv(I, _GROUP)
-        w_ptrs = w_ptr + e64 * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-        # (masked by n_ok: TMA tiles of the last expert reach past its scale rows)
-        ws_ptrs = ws_ptr + e64 * stride_se + (offs_n // SCALE_BN) * stride_sn
-        row_w = e * H + pid_n * BLOCK_N  # row of w2 viewed as [E*H, I] (TMA path)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for kb in range(0, tl.cdiv(I, _GROUP)):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            else:
-                k_ok = offs_k < I - kb * _GROUP
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            if USE_TMA:
-                # Rows past H spill into the next expert (masked at the store); past the tensor: zeros.
-                b = w_desc.load([row_w, kb * _GROUP]).T
-            elif EVEN_K:
-                if EVEN_N:
-                    b = tl.load(w_ptrs)
-                else:
-                    b = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
-            else:
-                b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            sa = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
-            sb = tl.load(ws_ptrs + kb * stride_sk, mask=n_ok, other=0.0)
-            acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
-            a_ptrs += _GROUP
-            w_ptrs += _GROUP * stride_wk
+        acc, offs_n, n_ok = _fp8_gemm2_tile(
+            actq_ptr, acts_ptr, w_ptr, w_desc, ws_ptr, e, start_e, offs_m, row_ok, pid_n, H, I,
+            stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+            SCALE_BN, BLOCK_M, BLOCK_N, EVEN_K, EVEN_N, USE_TMA,
+        )
         # Scatter each row to its (token, k) slot: y is [T*K, H] in row order.
         y_ptrs = y_ptr + rows[:, None].to(tl.int64) * H + offs_n[None, :]
         tl.store(y_ptrs, _cast(acc, y_ptr.dtype.element_ty, RNE_FIX), mask=row_ok[:, None] & n_ok[None, :])
@@ -255,9 +291,115 @@ def pick_configs_fp8(tokens: int, top_k: int, num_local: int, hidden: int, inter
     return g1, g2
 
 
-def _row_tiles(rows: int, num_local: int, block_m: int) -> int:
-    # Worst case: sum_e ceil(c_e / BM) <= floor(sum_e c_e / BM) + (number of non-empty experts).
-    return rows // block_m + min(num_local, rows)
+# ----------------------------------------------------------------------------------------------
+# Launch steps (shared by fused_moe_fp8_triton and the expert-parallel workspace in ep_cuda.py)
+# ----------------------------------------------------------------------------------------------
+
+QROWS = 32  # tokens per quantization program
+
+
+def quantize_programs(tokens: int, hidden: int) -> int:
+    """Programs of the quantization pass (``_quantize_tile``) for ``tokens`` rows of ``hidden``."""
+    return triton.cdiv(tokens, QROWS) * triton.cdiv(hidden, GROUP)
+
+
+def launch_fp8_schedule_quantize(
+    x: torch.Tensor,
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    counts: torch.Tensor,
+    sorted_rows: torch.Tensor,
+    num_local: int,
+    num_global: int,
+    *,
+    interpret: bool,
+) -> None:
+    """Launch 1: ``triton_moe``'s schedule over ``topk_ids`` (programs ``< num_local``) and the
+    per-token 1 x 128 quantization of ``x`` into ``xq`` / ``xs`` (the other programs)."""
+    tokens, hidden = x.shape
+    launch_schedule(
+        topk_ids, expert_map, counts, sorted_rows, num_local, num_global,
+        kernel=_fp8_schedule_quantize_kernel, extra_programs=quantize_programs(tokens, hidden),
+        extra_args=(x, xq, xs, tokens, hidden, x.stride(0), x.stride(1)), QROWS=QROWS, RNE_FIX=interpret,
+    )
+
+
+def launch_fp8_gemm1(
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    act_q: torch.Tensor,
+    act_s: torch.Tensor,
+    sorted_rows: torch.Tensor,
+    counts: torch.Tensor,
+    rows: int,
+    top_k: int,
+    config: dict,
+    *,
+    in_dtype: torch.dtype,
+    scale_bn: int,
+    interpret: bool,
+) -> None:
+    """``_fp8_gemm1_kernel``: for the ``i``-th scheduled row ``t * top_k + k`` (``rows`` of them at
+    most), ``silu(gate) * up`` of quantized token row ``xq[t]`` (scales ``xs[t]``; both contiguous
+    ``[*, H]`` / ``[*, cdiv(H, 128)]``), rounded as ``in_dtype``, quantized into ``act_q[i]`` /
+    ``act_s[i]``. ``config`` is GEMM1's entry of ``pick_configs_fp8``; ``w13`` has >= 1 expert."""
+    num_local, two_i, hidden = w13.shape
+    inter = two_i // 2
+    g = dict(config)
+    g.setdefault("GROUP_M", 1)
+    num_m = _max_row_tiles(rows, num_local, g["BLOCK_M"])
+    _fp8_gemm1_kernel[(num_m * triton.cdiv(inter, GROUP),)](
+        xq, xs, w13, w13_scale, act_q, act_s, sorted_rows, counts,
+        num_local, hidden, inter, num_m,
+        w13.stride(0), w13.stride(1), w13.stride(2), w13_scale.stride(0), w13_scale.stride(1), w13_scale.stride(2),
+        IN_DTYPE=_TL_DTYPES[in_dtype], TOPK=top_k, E_PAD=_e_pad(num_local), SCALE_BN=scale_bn,
+        EVEN_K=hidden % GROUP == 0, EVEN_N=inter % GROUP == 0, RNE_FIX=interpret, **g,
+    )
+
+
+def launch_fp8_gemm2(
+    act_q: torch.Tensor,
+    act_s: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    y: torch.Tensor,
+    sorted_rows: torch.Tensor,
+    counts: torch.Tensor,
+    rows: int,
+    config: dict,
+    *,
+    scale_bn: int,
+    interpret: bool,
+    kernel=None,
+    extra_args: tuple = (),
+    **extra_constexprs,
+) -> None:
+    """``_fp8_gemm2_kernel``: ``y[row] = dequant(act_q[i]) @ dequant(w2[e]).T`` rounded to ``y``'s
+    dtype, for the ``i``-th scheduled row. ``kernel`` replaces it by a kernel with the same leading
+    parameters (the expert-parallel push epilogue), ``extra_args`` / ``extra_constexprs`` its own."""
+    num_local, hidden, inter = w2.shape
+    g = _gemm_config(config, act_q, interpret, GROUP_M=1)
+    bn = g["BLOCK_N"]
+    w2_desc = w2
+    if g["USE_TMA"]:
+        # TMA needs contiguous weights and 16-byte aligned rows.
+        if w2.is_contiguous() and inter % 16 == 0:
+            w2_desc = _descriptor(w2.view(num_local * hidden, inter), [bn, GROUP])
+        else:
+            g["USE_TMA"] = False
+    num_m = _max_row_tiles(rows, num_local, g["BLOCK_M"])
+    (_fp8_gemm2_kernel if kernel is None else kernel)[(num_m * triton.cdiv(hidden, bn),)](
+        act_q, act_s, w2, w2_desc, w2_scale, y, sorted_rows, counts,
+        num_local, hidden, inter, num_m,
+        w2.stride(0), w2.stride(1), w2.stride(2), w2_scale.stride(0), w2_scale.stride(1), w2_scale.stride(2),
+        *extra_args,
+        E_PAD=_e_pad(num_local), SCALE_BN=scale_bn,
+        EVEN_K=inter % GROUP == 0, EVEN_N=hidden % bn == 0, RNE_FIX=interpret, **extra_constexprs, **g,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -303,10 +445,7 @@ def fused_moe_fp8_triton(
         return out.zero_()
     rows = tokens * top_k
     num_global = expert_map.numel() if expert_map is not None else num_local
-    has_map = expert_map is not None
-    emap = expert_map if has_map else topk_ids  # dummy pointer when there is no map
-    e_pad = max(16, triton.next_power_of_2(num_local))
-    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    interpret = _interpreting()
 
     counts = torch.empty(num_local, dtype=torch.int32, device=dev)
     sorted_rows = torch.empty(rows, dtype=torch.int32, device=dev)
@@ -316,51 +455,14 @@ def fused_moe_fp8_triton(
     act_s = torch.empty((rows, triton.cdiv(inter, GROUP)), dtype=torch.float32, device=dev)
     y = torch.empty((rows, hidden), dtype=dtype, device=dev)
 
-    qrows = 32
-    quant_programs = triton.cdiv(tokens, qrows) * triton.cdiv(hidden, GROUP)
-    _fp8_schedule_quantize_kernel[(num_local + quant_programs,)](
-        topk_ids, emap, counts, sorted_rows,
-        rows, num_global, num_local, topk_ids.stride(0), topk_ids.stride(1),
-        hidden_states, xq, xs, tokens, hidden, hidden_states.stride(0), hidden_states.stride(1),
-        # Every schedule program scans all rows (twice): wide blocks keep that loop short.
-        TOPK=top_k, HAS_MAP=has_map, BLOCK=4096 if rows > 2048 else 256 if rows <= 256 else 1024,
-        QROWS=qrows, RNE_FIX=interpret, num_warps=8 if rows > 2048 else 4,
+    launch_fp8_schedule_quantize(
+        hidden_states, xq, xs, topk_ids, expert_map, counts, sorted_rows, num_local, num_global, interpret=interpret
     )
-
     g1, g2 = _configs if _configs is not None else pick_configs_fp8(tokens, top_k, num_local, hidden, inter)
-    g1, g2 = dict(g1), dict(g2)
-    g1.setdefault("GROUP_M", 1)
-    g2.setdefault("GROUP_M", 1)
-    scale_args = lambda s: (s.stride(0), s.stride(1), s.stride(2))  # noqa: E731
-    num_m1 = _row_tiles(rows, num_local, g1["BLOCK_M"])
-    _fp8_gemm1_kernel[(num_m1 * triton.cdiv(inter, GROUP),)](
-        xq, xs, w13, w13_scale, act_q, act_s, sorted_rows, counts,
-        num_local, hidden, inter, num_m1,
-        w13.stride(0), w13.stride(1), w13.stride(2), *scale_args(w13_scale),
-        IN_DTYPE=_TL_DTYPES[dtype], TOPK=top_k, E_PAD=e_pad, SCALE_BN=bn_scale,
-        EVEN_K=hidden % GROUP == 0, EVEN_N=inter % GROUP == 0, RNE_FIX=interpret, **g1,
+    launch_fp8_gemm1(
+        xq, xs, w13, w13_scale, act_q, act_s, sorted_rows, counts, rows, top_k, g1,
+        in_dtype=dtype, scale_bn=bn_scale, interpret=interpret,
     )
-    bn2 = g2["BLOCK_N"]
-    # TMA needs compiled code, contiguous weights and 16-byte aligned rows.
-    g2["USE_TMA"] = bool(g2.get("USE_TMA")) and not interpret and w2.is_contiguous() and inter % 16 == 0
-    w2_desc = w2
-    if g2["USE_TMA"]:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        w2_desc = TensorDescriptor.from_tensor(w2.view(num_local * hidden, inter), [bn2, GROUP])
-    num_m2 = _row_tiles(rows, num_local, g2["BLOCK_M"])
-    _fp8_gemm2_kernel[(num_m2 * triton.cdiv(hidden, bn2),)](
-        act_q, act_s, w2, w2_desc, w2_scale, y, sorted_rows, counts,
-        num_local, hidden, inter, num_m2,
-        w2.stride(0), w2.stride(1), w2.stride(2), *scale_args(w2_scale),
-        E_PAD=e_pad, SCALE_BN=bn_scale,
-        EVEN_K=inter % GROUP == 0, EVEN_N=hidden % bn2 == 0, RNE_FIX=interpret, **g2,
-    )
-    block_h = min(1024, max(16, triton.next_power_of_2(hidden)))
-    _moe_combine_kernel[(tokens, triton.cdiv(hidden, block_h))](
-        y, out, topk_ids, topk_weights, emap,
-        hidden, num_global, num_local,
-        topk_ids.stride(0), topk_ids.stride(1), topk_weights.stride(0), topk_weights.stride(1), out.stride(0),
-        TOPK=top_k, HAS_MAP=has_map, BLOCK_H=block_h, RNE_FIX=interpret, num_warps=4,
-    )
+    launch_fp8_gemm2(act_q, act_s, w2, w2_scale, y, sorted_rows, counts, rows, g2, scale_bn=bn_scale, interpret=interpret)
+    launch_combine(y, out, topk_ids, topk_weights, expert_map, num_local, num_global, interpret=interpret)
     return out
