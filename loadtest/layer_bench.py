@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import importlib.resources
 import json
 import os
@@ -251,9 +252,18 @@ def bench_rows(shapes, tokens_list, routings, seed, log, on_row=None):
     return rows
 
 
+def random_fp8_weights(experts, n, k, gen, chunk=16):
+    """Random bf16 weights (scaled by 1/sqrt(k)) quantized to 128 x 128 FP8 blocks, ``chunk`` experts
+    at a time: quantizing Kimi-K2's w13 in one go needs ~90 GB of fp32 temporaries."""
+    from mok_serve.kernels.fp8 import quantize_fp8_blocks
+
+    parts = [quantize_fp8_blocks(torch.randn(min(chunk, experts - e), n, k, device="cuda", dtype=torch.bfloat16,
+                                             generator=gen) / k**0.5) for e in range(0, experts, chunk)]
+    return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
+
+
 def bench_rows_fp8(shapes, tokens_list, routings, seed, log, peak_fp8, on_row=None):
     from mok_serve.kernels import fused_moe_fp8, fused_moe_fp8_reference
-    from mok_serve.kernels.fp8 import quantize_fp8_blocks
 
     # Scales add 4 bytes per 128 x 128 block of weights.
     weight_bytes = 1.0 + 4.0 / (128 * 128)
@@ -261,9 +271,8 @@ def bench_rows_fp8(shapes, tokens_list, routings, seed, log, peak_fp8, on_row=No
     for name, s in shapes.items():
         E, H, I, K = s["routed_experts"], s["hidden"], s["moe_intermediate"], s["top_k"]
         gen = torch.Generator(device="cuda").manual_seed(seed)
-        w13q, w13s = quantize_fp8_blocks(torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen) / H**0.5)
-        w2q, w2s = quantize_fp8_blocks(torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=gen) / I**0.5)
-        torch.cuda.empty_cache()
+        w13q, w13s = random_fp8_weights(E, 2 * I, H, gen)
+        w2q, w2s = random_fp8_weights(E, H, I, gen)
         baseline = dequantized_pipeline(w13q, w13s, w2q, w2s)
         for tokens in tokens_list:
             for routing in routings:
@@ -296,8 +305,10 @@ def bench_rows_fp8(shapes, tokens_list, routings, seed, log, peak_fp8, on_row=No
                     f"{fl['floor_ms']:7.3f} ({fl['bound']:7s}) x{row['ratio_to_floor']:5.2f}  dequant+torch "
                     f"{times['dequant_torch']:8.3f}  speedup x{row['speedup_vs_best_baseline']:6.1f}"
                     f"  err k={errs['kittens']:.1e} base={errs['dequant_torch']:.1e}")
-        del w13q, w13s, w2q, w2s, baseline
+        del w13q, w13s, w2q, w2s, baseline, impls
+        gc.collect()
         torch.cuda.empty_cache()
+        log(f"  after {name}: {torch.cuda.memory_allocated() / 2**30:.1f} GiB still allocated")
     return rows
 
 
