@@ -67,6 +67,7 @@ import triton
 import triton.language as tl
 
 from .ep_cpu import ExpertPlacement, PeerTimeoutError
+from .fp8 import BLOCK_SHAPE, FP8_DTYPE, check_fused_moe_fp8_args
 from .reference import check_fused_moe_args
 from .triton_moe import (
     _cast,
@@ -79,6 +80,16 @@ from .triton_moe import (
     launch_gemm2,
     launch_schedule,
     pick_configs,
+)
+from .triton_moe_fp8 import (
+    GROUP,
+    QROWS,
+    _fp8_gemm2_tile,
+    _quantize_tile,
+    launch_fp8_gemm1,
+    launch_fp8_gemm2,
+    pick_configs_fp8,
+    quantize_programs,
 )
 
 __all__ = ["ExpertPlacement", "PeerTimeoutError", "SymmetricMemoryEPWorkspace"]
@@ -143,35 +154,46 @@ def _ep_sync_kernel(
 
 @triton.jit
 def _ep_post_kernel(
-    x_ptr, ids_ptr, seg_x_ptr, seg_ids_ptr, seg_n_ptr, tokens, H,
+    x_ptr, ids_ptr, seg_x_ptr, seg_xs_ptr, seg_ids_ptr, seg_n_ptr, tokens, H, id_programs,
     stride_xt, stride_xh, stride_it, stride_ik,
-    TOPK: tl.constexpr, K_PAD: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr, COPY_X: tl.constexpr,
+    TOPK: tl.constexpr, K_PAD: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr,
+    COPY_X: tl.constexpr, QUANT: tl.constexpr, QROWS: tl.constexpr, RNE_FIX: tl.constexpr,
 ):
+    """Programs ``< id_programs``: ``n``, the ids and (``COPY_X``) the token rows of ``BT`` tokens
+    into the segment. The others (``QUANT``): ``triton_moe_fp8``'s quantization pass, e4m3 rows into
+    ``seg_x`` and their 1 x 128 group scales into ``seg_xs``, bit for bit as on one GPU."""
     pid = tl.program_id(0)
-    if pid == 0:
-        tl.store(seg_n_ptr, tokens)
-    offs_t = pid * BT + tl.arange(0, BT)
-    t_ok = offs_t < tokens
-    offs_k = tl.arange(0, K_PAD)
-    km = t_ok[:, None] & (offs_k < TOPK)[None, :]
-    ids = tl.load(ids_ptr + offs_t[:, None].to(tl.int64) * stride_it + offs_k[None, :] * stride_ik, mask=km, other=-1)
-    tl.store(seg_ids_ptr + offs_t[:, None].to(tl.int64) * TOPK + offs_k[None, :], ids.to(tl.int32), mask=km)
-    if COPY_X:
-        for h0 in range(0, H, BLOCK_H):
-            offs_h = h0 + tl.arange(0, BLOCK_H)
-            m = t_ok[:, None] & (offs_h < H)[None, :]
-            v = tl.load(x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + offs_h[None, :] * stride_xh, mask=m)
-            tl.store(seg_x_ptr + offs_t[:, None].to(tl.int64) * H + offs_h[None, :], v, mask=m)
+    if pid < id_programs:
+        if pid == 0:
+            tl.store(seg_n_ptr, tokens)
+        offs_t = pid * BT + tl.arange(0, BT)
+        t_ok = offs_t < tokens
+        offs_k = tl.arange(0, K_PAD)
+        km = t_ok[:, None] & (offs_k < TOPK)[None, :]
+        ids = tl.load(ids_ptr + offs_t[:, None].to(tl.int64) * stride_it + offs_k[None, :] * stride_ik, mask=km, other=-1)
+        tl.store(seg_ids_ptr + offs_t[:, None].to(tl.int64) * TOPK + offs_k[None, :], ids.to(tl.int32), mask=km)
+        if COPY_X:
+            for h0 in range(0, H, BLOCK_H):
+                offs_h = h0 + tl.arange(0, BLOCK_H)
+                m = t_ok[:, None] & (offs_h < H)[None, :]
+                v = tl.load(x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + offs_h[None, :] * stride_xh, mask=m)
+                tl.store(seg_x_ptr + offs_t[:, None].to(tl.int64) * H + offs_h[None, :], v, mask=m)
+    else:
+        if QUANT:
+            _quantize_tile(pid - id_programs, x_ptr, seg_x_ptr, seg_xs_ptr, tokens, H, stride_xt, stride_xh,
+                           QROWS, RNE_FIX)
 
 
 @triton.jit
 def _ep_gather_kernel(
-    ntab_ptr, idtab_ptr, xtab_ptr, all_ids_ptr, xl_ptr, emap_ptr,
-    max_tokens, H, num_global, num_local,
+    ntab_ptr, idtab_ptr, xtab_ptr, xstab_ptr, all_ids_ptr, xl_ptr, xsl_ptr, emap_ptr,
+    max_tokens, H, G, num_global, num_local,
     TOPK: tl.constexpr, K_PAD: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr,
+    SCALES: tl.constexpr, BLOCK_G: tl.constexpr,
 ):
     """Source ``s``'s ids into ``all_ids[s]`` (-1 past its token count) and a pull of each of its
-    token rows that has a local expert, once, from its segment into ``xl[s * maxT + t]``."""
+    token rows that has a local expert, once, from its segment into ``xl[s * maxT + t]`` (FP8:
+    the e4m3 row, copied as bytes, and with ``SCALES`` its ``G`` fp32 group scales into ``xsl``)."""
     s = tl.program_id(0)
     offs_t = tl.program_id(1) * BT + tl.arange(0, BT)
     n_s = tl.load(tl.load(ntab_ptr + s).to(tl.pointer_type(tl.int32)))
@@ -195,6 +217,29 @@ def _ep_gather_kernel(
         m = need[:, None] & (offs_h < H)[None, :]
         v = tl.load(src_x + offs_t[:, None].to(tl.int64) * H + offs_h[None, :], mask=m)
         tl.store(xl_ptr + dst_rows[:, None] * H + offs_h[None, :], v, mask=m)
+    if SCALES:
+        src_s = tl.load(xstab_ptr + s).to(tl.pointer_type(tl.float32))
+        for g0 in range(0, G, BLOCK_G):
+            offs_g = g0 + tl.arange(0, BLOCK_G)
+            m = need[:, None] & (offs_g < G)[None, :]
+            v = tl.load(src_s + offs_t[:, None].to(tl.int64) * G + offs_g[None, :], mask=m)
+            tl.store(xsl_ptr + dst_rows[:, None] * G + offs_g[None, :], v, mask=m)
+
+
+@triton.jit
+def _push_rows(acc, rows, row_ok, offs_n, n_ok, ret_ptr, rettab_ptr, rank, rows_per_source, H,
+               ELEM_BYTES: tl.constexpr, RNE_FIX: tl.constexpr):
+    """Push epilogue: store each GEMM2 row (rounded to ``ret``'s dtype) into the ``ret`` buffer of
+    the row's home rank, row ``t * K + k``."""
+    src = rows // rows_per_source
+    lrow = (rows % rows_per_source).to(tl.int64)
+    # Element offset of the home rank's ret buffer from ours (pointer + int64 offsets, no
+    # vector int->pointer casts).
+    base = tl.load(rettab_ptr + src, mask=row_ok, other=0)
+    mine = tl.load(rettab_ptr + rank)
+    elem = (base - mine) // ELEM_BYTES
+    y_ptrs = ret_ptr + (elem + lrow * H)[:, None] + offs_n[None, :]
+    tl.store(y_ptrs, _cast(acc, ret_ptr.dtype.element_ty, RNE_FIX), mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -224,15 +269,37 @@ def _ep_gemm2_push_kernel(
             stride_we, stride_wn, stride_wk,
             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA,
         )
-        src = rows // rows_per_source
-        lrow = (rows % rows_per_source).to(tl.int64)
-        # Element offset of the home rank's ret buffer from ours (pointer + int64 offsets, no
-        # vector int->pointer casts).
-        base = tl.load(rettab_ptr + src, mask=row_ok, other=0)
-        mine = tl.load(rettab_ptr + rank)
-        elem = (base - mine) // ELEM_BYTES
-        y_ptrs = ret_ptr + (elem + lrow * H)[:, None] + offs_n[None, :]
-        tl.store(y_ptrs, _cast(acc, act_ptr.dtype.element_ty, DOT_F32), mask=row_ok[:, None] & n_ok[None, :])
+        _push_rows(acc, rows, row_ok, offs_n, n_ok, ret_ptr, rettab_ptr, rank, rows_per_source, H,
+                   ELEM_BYTES, DOT_F32)
+
+
+@triton.jit
+def _ep_fp8_gemm2_push_kernel(
+    actq_ptr, acts_ptr, w_ptr, w_desc, ws_ptr, ret_ptr, sorted_rows_ptr, counts_ptr,
+    num_local, H, I, num_m,
+    stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+    rettab_ptr, rank, rows_per_source,
+    E_PAD: tl.constexpr, SCALE_BN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, GROUP_M: tl.constexpr,
+    RNE_FIX: tl.constexpr, ELEM_BYTES: tl.constexpr,
+):
+    """``triton_moe_fp8._fp8_gemm2_kernel`` (same arithmetic) with the push epilogue; launched by
+    ``launch_fp8_gemm2``."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(H, BLOCK_N)
+    pid_m, pid_n = _program_tile(pid, num_m, num_n, GROUP_M)
+    total, e, m0, count_e, start_e = _tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M)
+    if pid_m < total:
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < count_e
+        rows = tl.load(sorted_rows_ptr + start_e + offs_m, mask=row_ok, other=0)
+        acc, offs_n, n_ok = _fp8_gemm2_tile(
+            actq_ptr, acts_ptr, w_ptr, w_desc, ws_ptr, e, start_e, offs_m, row_ok, pid_n, H, I,
+            stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+            SCALE_BN, BLOCK_M, BLOCK_N, EVEN_K, EVEN_N, USE_TMA,
+        )
+        _push_rows(acc, rows, row_ok, offs_n, n_ok, ret_ptr, rettab_ptr, rank, rows_per_source, H,
+                   ELEM_BYTES, RNE_FIX)
 
 
 @triton.jit
@@ -275,14 +342,16 @@ def _up(n: int) -> int:
 
 
 class _Layout:
-    """Byte offsets of the regions of one segment (identical on every rank)."""
+    """Byte offsets of the regions of one segment (identical on every rank). ``fp8``: ``x`` holds
+    e4m3 rows (1 byte per element) and ``xs`` their fp32 scales, one per 128 columns."""
 
-    def __init__(self, world, sources, max_tokens, hidden, top_k, elem):
+    def __init__(self, world, sources, max_tokens, hidden, top_k, elem, fp8=False):
         self.flags = 0
         self.n = _up(NUM_SLOTS * world * 4)
         self.ids = self.n + ALIGN
         self.x = self.ids + _up(max_tokens * top_k * 4)
-        self.y = self.x + _up(max_tokens * hidden * elem)
+        self.xs = self.x + _up(max_tokens * hidden * (1 if fp8 else elem))
+        self.y = self.xs + (_up(max_tokens * triton.cdiv(hidden, GROUP) * 4) if fp8 else 0)
         self.ret = self.y + _up(sources * max_tokens * top_k * hidden * elem)
         self.total = self.ret + _up(max_tokens * top_k * hidden * elem)
 
@@ -301,6 +370,10 @@ class SymmetricMemoryEPWorkspace:
     (owners write them into the home rank's segment from GEMM2's epilogue); both give bitwise the
     same output. ``timeout_s`` bounds every wait (see the module docstring for how a timeout is
     reported). The call is CUDA-graph capturable (fixed token count per graph).
+
+    ``quant="fp8"``: a workspace for block-scaled FP8 experts, called through ``fused_moe_fp8``
+    (``fused_moe`` is for ``quant=None``). Token rows are posted and pulled as e4m3 with their
+    1 x 128 group scales (half the bytes of bf16); results return and combine in ``dtype``.
     """
 
     def __init__(
@@ -316,11 +389,16 @@ class SymmetricMemoryEPWorkspace:
         timeout_s: float = float(os.environ.get("MOK_EP_TIMEOUT_S", "120")),
         return_mode: str = os.environ.get("MOK_EP_RETURN", "pull"),
         sync_check: bool = os.environ.get("MOK_EP_SYNC_CHECK", "0") not in ("", "0"),
+        quant: str | None = None,
         _simulated: tuple[int, list[torch.Tensor]] | None = None,
         _max_spins: int | None = None,
     ):
         if return_mode not in ("pull", "push"):
             raise ValueError(f"return_mode must be 'pull' or 'push', got {return_mode!r}")
+        if quant not in (None, "fp8"):
+            raise ValueError(f"quant must be None or 'fp8', got {quant!r}")
+        self.quant = quant
+        fp8 = quant == "fp8"
         self.group = group
         self.simulated = _simulated is not None
         if _simulated is not None:
@@ -343,7 +421,9 @@ class SymmetricMemoryEPWorkspace:
         self.max_spins = _max_spins if _max_spins is not None else (2**62 if not self.interpret else 10_000)
         self.sources = 1 if replicated_tokens else self.world_size
         elem = torch.tensor([], dtype=dtype).element_size()
-        self.layout = lay = _Layout(self.world_size, self.sources, max_tokens_per_rank, hidden_size, top_k, elem)
+        self.layout = lay = _Layout(
+            self.world_size, self.sources, max_tokens_per_rank, hidden_size, top_k, elem, fp8=fp8
+        )
 
         if _simulated is not None:
             self.device = segments[self.rank].device
@@ -378,10 +458,13 @@ class SymmetricMemoryEPWorkspace:
             return self.buffer[offset : offset + nbytes].view(vdtype)
 
         S, T, K, H = self.sources, max_tokens_per_rank, top_k, hidden_size
+        G = triton.cdiv(H, GROUP)
+        x_dtype = FP8_DTYPE if fp8 else dtype
         self.flags = view(lay.flags, NUM_SLOTS * self.world_size, torch.int32)
         self.seg_n = view(lay.n, 1, torch.int32)
         self.seg_ids = view(lay.ids, T * K, torch.int32)
-        self.seg_x = view(lay.x, T * H, dtype)
+        self.seg_x = view(lay.x, T * H, x_dtype)
+        self.seg_xs = view(lay.xs, T * G, torch.float32) if fp8 else None
         self.seg_y = view(lay.y, S * T * K * H, dtype)
         self.seg_ret = view(lay.ret, T * K * H, dtype)
         self.flag_tab = table(lay.flags)
@@ -390,8 +473,9 @@ class SymmetricMemoryEPWorkspace:
             self.n_tab = torch.tensor([me + lay.n], dtype=torch.int64, device=self.device)
             self.ids_tab = torch.tensor([me + lay.ids], dtype=torch.int64, device=self.device)
             self.x_tab = torch.tensor([me + lay.x], dtype=torch.int64, device=self.device)
+            self.xs_tab = torch.tensor([me + lay.xs], dtype=torch.int64, device=self.device)
         else:
-            self.n_tab, self.ids_tab, self.x_tab = table(lay.n), table(lay.ids), table(lay.x)
+            self.n_tab, self.ids_tab, self.x_tab, self.xs_tab = table(lay.n), table(lay.ids), table(lay.x), table(lay.xs)
         self.y_tab = table(lay.y)
         self.ret_tab = table(lay.ret)
 
@@ -402,8 +486,9 @@ class SymmetricMemoryEPWorkspace:
         pin = self.device.type == "cuda"
         self._err_host = torch.zeros(STATE_WORDS, dtype=torch.int64, pin_memory=pin)
         self.all_ids = torch.empty(S * T, K, dtype=torch.int32, device=self.device)
-        self.xl = torch.empty(S * T, H, dtype=dtype, device=self.device)
-        self.counts = self.sorted_rows = self.act = None
+        self.xl = torch.empty(S * T, H, dtype=x_dtype, device=self.device)
+        self.xsl = torch.empty(S * T, G, dtype=torch.float32, device=self.device) if fp8 else None
+        self.counts = self.sorted_rows = self.act = self.act_s = None
         self.epoch = 0  # host mirror of eager calls, for naming the layer in errors
         self._layers: dict[int, str] = {}
 
@@ -438,16 +523,20 @@ class SymmetricMemoryEPWorkspace:
 
     def close(self) -> None:
         self.buffer = self._handle = None
-        self.seg_x = self.seg_y = self.seg_ret = self.seg_ids = self.seg_n = self.flags = None
+        self.seg_x = self.seg_xs = self.seg_y = self.seg_ret = self.seg_ids = self.seg_n = self.flags = None
 
     # ------------------------------------------------------------------ the call
 
     def _ensure_rows(self, inter: int, num_local: int):
         rows = self.sources * self.max_tokens * self.top_k
-        if self.act is None or self.act.shape[1] != inter or self.counts.numel() != num_local:
+        if self.act is None or self.act.shape[1] != inter or self.counts.numel() != max(num_local, 1):
             self.counts = torch.empty(max(num_local, 1), dtype=torch.int32, device=self.device)
             self.sorted_rows = torch.empty(rows, dtype=torch.int32, device=self.device)
-            self.act = torch.empty(rows, inter, dtype=self.dtype, device=self.device)
+            if self.quant == "fp8":
+                self.act = torch.empty(rows, inter, dtype=FP8_DTYPE, device=self.device)
+                self.act_s = torch.empty(rows, triton.cdiv(inter, GROUP), dtype=torch.float32, device=self.device)
+            else:
+                self.act = torch.empty(rows, inter, dtype=self.dtype, device=self.device)
         return rows
 
     def fused_moe(
@@ -466,16 +555,54 @@ class SymmetricMemoryEPWorkspace:
             out = stage()
         return out
 
-    def stages(self, hidden_states, w13, w2, topk_weights, topk_ids, *, layer: str = "?"):
+    def fused_moe_fp8(
+        self,
+        hidden_states: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        w13_scale: torch.Tensor,
+        w2_scale: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        *,
+        layer: str = "?",
+        block_shape=BLOCK_SHAPE,
+    ) -> torch.Tensor:
+        """As ``fused_moe`` with block-scaled FP8 experts (``quant="fp8"`` workspaces): bitwise the
+        output of one-GPU ``fused_moe_fp8`` on the global inputs."""
+        out = None
+        stages = self.stages(hidden_states, w13, w2, topk_weights, topk_ids, layer=layer,
+                             scales=(w13_scale, w2_scale), block_shape=block_shape)
+        for stage in stages:
+            out = stage()
+        return out
+
+    def stages(self, hidden_states, w13, w2, topk_weights, topk_ids, *, layer: str = "?", scales=None,
+               block_shape=BLOCK_SHAPE):
         """The call as a list of launch steps (``fused_moe`` runs them in order; the interpreter
-        tests run step i on every simulated rank before step i + 1). The last returns the output."""
+        tests run step i on every simulated rank before step i + 1). The last returns the output.
+        ``scales``: ``(w13_scale, w2_scale)`` of FP8 experts (``fused_moe_fp8``)."""
         self._raise_if_error(self._err_host)
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         expert_map = self.expert_map
-        check_fused_moe_args(
-            hidden_states, w13, w2, topk_weights, topk_ids, expert_map, "silu",
-            check_values=self.sync_check and not capturing,
-        )
+        fp8 = scales is not None
+        if fp8 != (self.quant == "fp8"):
+            raise ValueError(
+                f"kittens EP workspace built with quant={self.quant!r}: call "
+                f"{'fused_moe_fp8' if self.quant == 'fp8' else 'fused_moe'} (and the matching weights)"
+            )
+        if fp8:
+            scale_bn, scale_bk = check_fused_moe_fp8_args(
+                hidden_states, w13, w2, *scales, topk_weights, topk_ids, expert_map, "silu", block_shape,
+                check_values=self.sync_check and not capturing,
+            )
+            if scale_bk != GROUP:
+                raise ValueError(f"the Triton FP8 kernels need a K block of {GROUP} (block_shape[1]), got {scale_bk}")
+        else:
+            check_fused_moe_args(
+                hidden_states, w13, w2, topk_weights, topk_ids, expert_map, "silu",
+                check_values=self.sync_check and not capturing,
+            )
         tokens = hidden_states.shape[0]
         if tokens > self.max_tokens or hidden_states.shape[1] != self.hidden or topk_ids.shape[1] != self.top_k:
             raise ValueError(
@@ -503,11 +630,13 @@ class SymmetricMemoryEPWorkspace:
 
         def post():
             bt = 4
-            _ep_post_kernel[(max(triton.cdiv(tokens, bt), 1),)](
-                hidden_states, topk_ids, self.seg_x, self.seg_ids, self.seg_n, tokens, H,
+            id_programs = max(triton.cdiv(tokens, bt), 1)
+            _ep_post_kernel[(id_programs + (quantize_programs(tokens, H) if fp8 else 0),)](
+                hidden_states, topk_ids, self.seg_x, self.seg_xs if fp8 else self.seg_x, self.seg_ids, self.seg_n,
+                tokens, H, id_programs,
                 hidden_states.stride(0), hidden_states.stride(1), topk_ids.stride(0), topk_ids.stride(1),
-                TOPK=K, K_PAD=k_pad, BT=bt, BLOCK_H=min(1024, triton.next_power_of_2(H)), COPY_X=True,
-                num_warps=4,
+                TOPK=K, K_PAD=k_pad, BT=bt, BLOCK_H=min(1024, triton.next_power_of_2(H)), COPY_X=not fp8,
+                QUANT=fp8, QROWS=QROWS, RNE_FIX=interpret, num_warps=4,
             )
 
         def sync(slot, signal=True, wait=True):
@@ -521,10 +650,13 @@ class SymmetricMemoryEPWorkspace:
 
         def gather():
             bt = 4
+            G = triton.cdiv(H, GROUP)
             _ep_gather_kernel[(S, triton.cdiv(T, bt))](
-                self.n_tab, self.ids_tab, self.x_tab, self.all_ids, self.xl, expert_map,
-                T, H, self.num_global, num_local,
-                TOPK=K, K_PAD=k_pad, BT=bt, BLOCK_H=min(1024, triton.next_power_of_2(H)), num_warps=4,
+                self.n_tab, self.ids_tab, self.x_tab, self.xs_tab if fp8 else self.x_tab, self.all_ids,
+                self.xl.view(torch.uint8) if fp8 else self.xl, self.xsl if fp8 else self.xl, expert_map,
+                T, H, G, self.num_global, num_local,
+                TOPK=K, K_PAD=k_pad, BT=bt, BLOCK_H=min(1024, triton.next_power_of_2(H)),
+                SCALES=fp8, BLOCK_G=max(16, triton.next_power_of_2(G)) if fp8 else 16, num_warps=4,
             )
 
         def schedule():
@@ -532,20 +664,28 @@ class SymmetricMemoryEPWorkspace:
                 return
             launch_schedule(self.all_ids, expert_map, self.counts, self.sorted_rows, num_local, self.num_global)
 
-        g1, g2 = pick_configs(max(tokens, 1), K, max(num_local, 1), H, inter)
+        picker = pick_configs_fp8 if fp8 else pick_configs
+        g1, g2 = picker(max(tokens, 1), K, max(num_local, 1), H, inter)
+        ret_args = dict(kernel=_ep_fp8_gemm2_push_kernel if fp8 else _ep_gemm2_push_kernel,
+                        extra_args=(self.ret_tab, self.rank, T * K), ELEM_BYTES=self.seg_ret.element_size())
 
         def gemms():
             if num_local == 0 or inter == 0:
                 return
-            launch_gemm1(self.xl, w13, self.act, self.sorted_rows, self.counts, rows_cap, K, g1, interpret=interpret)
-            if push:
-                launch_gemm2(
-                    self.act, w2, self.seg_ret, self.sorted_rows, self.counts, rows_cap, g2, interpret=interpret,
-                    kernel=_ep_gemm2_push_kernel, extra_args=(self.ret_tab, self.rank, T * K),
-                    ELEM_BYTES=self.seg_ret.element_size(),
+            y, push_args = (self.seg_ret, ret_args) if push else (self.seg_y, {})
+            if fp8:
+                w13_scale, w2_scale = scales
+                launch_fp8_gemm1(
+                    self.xl, self.xsl, w13, w13_scale, self.act, self.act_s, self.sorted_rows, self.counts,
+                    rows_cap, K, g1, in_dtype=self.dtype, scale_bn=scale_bn, interpret=interpret,
+                )
+                launch_fp8_gemm2(
+                    self.act, self.act_s, w2, w2_scale, y, self.sorted_rows, self.counts, rows_cap, g2,
+                    scale_bn=scale_bn, interpret=interpret, **push_args,
                 )
             else:
-                launch_gemm2(self.act, w2, self.seg_y, self.sorted_rows, self.counts, rows_cap, g2, interpret=interpret)
+                launch_gemm1(self.xl, w13, self.act, self.sorted_rows, self.counts, rows_cap, K, g1, interpret=interpret)
+                launch_gemm2(self.act, w2, y, self.sorted_rows, self.counts, rows_cap, g2, interpret=interpret, **push_args)
 
         def combine():
             if tokens:

@@ -165,6 +165,111 @@ def scenario_silent_peer(rank, world):
     return "timeout error raised"
 
 
+# ---------------------------------------------------------------------------------- FP8 experts
+
+
+def fp8_inputs(seed, counts, num_experts, hidden, inter, top_k, routing="uniform"):
+    from mok_serve.kernels.fp8 import quantize_fp8_blocks
+
+    x, w13, w2, weights, ids = global_inputs(seed, counts, num_experts, hidden, inter, top_k, routing)
+    (q13, s13), (q2, s2) = quantize_fp8_blocks(w13), quantize_fp8_blocks(w2)
+    return x, (q13, q2, s13, s2), weights, ids
+
+
+def local_fp8(fp8, placement, rank):
+    q13, q2, s13, s2 = fp8
+    l13, l2 = local_weights(q13, q2, placement, rank)
+    ls13, ls2 = local_weights(s13, s2, placement, rank)
+    return l13, l2, ls13, ls2
+
+
+FP8_CASES = [  # tokens per rank, routing (uneven, a rank with 0 tokens, skewed)
+    ((1, 1), "uniform"),
+    ((37, 5), "uniform"),
+    ((0, 41), "uniform"),
+    ((96, 13), "one_rank"),
+    ((50, 50), "hot"),
+    ((128, 128), "uniform"),
+    ((1000, 2048), "uniform"),
+    ((4096, 1500), "hot"),
+]
+
+
+def scenario_fp8_bitwise(rank, world):
+    from mok_serve.kernels import fused_moe_fp8, fused_moe_fp8_reference
+    from mok_serve.kernels.ep_cuda import ExpertPlacement, SymmetricMemoryEPWorkspace
+
+    lines = []
+    for si, (H, I, E, K) in enumerate(SHAPES):
+        placement = ExpertPlacement.linear(E, world)
+        ws = SymmetricMemoryEPWorkspace(
+            None, max_tokens_per_rank=4096, hidden_size=H, top_k=K, dtype=torch.bfloat16,
+            placement=placement, timeout_s=30.0, quant="fp8",
+        )
+        cases = FP8_CASES if si == 0 else FP8_CASES[:6]
+        for ci, (counts, routing) in enumerate(cases):
+            x, fp8, weights, ids = fp8_inputs(2000 + 1000 * si + ci, counts, E, H, I, K, routing)
+            expected = fused_moe_fp8(x, *fp8, weights, ids)
+            ref = fused_moe_fp8_reference(x, *fp8, weights, ids)
+            start = sum(counts[:rank])
+            sl = slice(start, start + counts[rank])
+            local = local_fp8(fp8, placement, rank)
+            first = None
+            for mode in ("pull", "push", "pull"):  # back-to-back calls, both return modes
+                ws.return_mode = mode
+                out = ws.fused_moe_fp8(x[sl], *local, weights[sl], ids[sl], layer=f"fp8 s{si}c{ci}")
+                torch.cuda.synchronize()
+                ws._raise_if_error(ws.state.cpu())
+                if counts[rank]:
+                    err = ((out.float() - ref[sl].float()).norm() / ref[sl].float().norm()).item()
+                    assert err < 3e-2, f"FP8 shape {si} case {ci} {mode}: rel err {err}"
+                assert torch.equal(out, expected[sl]), (
+                    f"FP8 shape {si} case {ci} ({counts}, {routing}) {mode}: EP=2 differs from one GPU; "
+                    f"max diff {(out.float() - expected[sl].float()).abs().max().item()}"
+                )
+                if first is None:
+                    first = out.clone()
+                assert torch.equal(out, first), "repeat call differs"
+            post_ns, comp_ns = ws.wait_ns()
+            lines.append(f"FP8 shape {(H, I, E, K)} tokens {counts} {routing}: bitwise OK; waits "
+                         f"{post_ns/1e3:.1f} / {comp_ns/1e3:.1f} us")
+        ws.check_errors()
+        ws.close()
+    return "\n".join(lines)
+
+
+def scenario_fp8_graph(rank, world):
+    from mok_serve.kernels import fused_moe_fp8
+    from mok_serve.kernels.ep_cuda import ExpertPlacement, SymmetricMemoryEPWorkspace
+
+    H, I, E, K = 1024, 512, 16, 8
+    placement = ExpertPlacement.linear(E, world)
+    ws = SymmetricMemoryEPWorkspace(
+        None, max_tokens_per_rank=256, hidden_size=H, top_k=K, dtype=torch.bfloat16, placement=placement,
+        timeout_s=30.0, quant="fp8",
+    )
+    counts = (200, 77)
+    x, fp8, weights, ids = fp8_inputs(7, counts, E, H, I, K)
+    sl = slice(sum(counts[:rank]), sum(counts[:rank]) + counts[rank])
+    local = local_fp8(fp8, placement, rank)
+    xs, ws_, is_ = x[sl].clone(), weights[sl].clone(), ids[sl].clone()
+    ws.fused_moe_fp8(xs, *local, ws_, is_)  # warm up (compiles)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gout = ws.fused_moe_fp8(xs, *local, ws_, is_)
+    for seed in (11, 12, 13):  # new inputs each replay
+        x2, _, w2b, ids2 = fp8_inputs(seed, counts, E, H, I, K)
+        xs.copy_(x2[sl])
+        ws_.copy_(w2b[sl])
+        is_.copy_(ids2[sl])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(gout, fused_moe_fp8(x2, *fp8, w2b, ids2)[sl]), f"FP8 graph replay {seed} differs"
+    ws.check_errors()
+    return f"FP8 graph: 3 replays bitwise OK; epoch {int(ws.state[0])}"
+
+
 def test_ep2_bitwise_equal_to_one_gpu():
     run_ranks(scenario_bitwise)
 
@@ -175,3 +280,11 @@ def test_ep2_cuda_graph_replays():
 
 def test_ep2_silent_peer_times_out():
     run_ranks(scenario_silent_peer)
+
+
+def test_ep2_fp8_bitwise_equal_to_one_gpu():
+    run_ranks(scenario_fp8_bitwise)
+
+
+def test_ep2_fp8_cuda_graph_replays():
+    run_ranks(scenario_fp8_graph)

@@ -19,14 +19,22 @@ triton = pytest.importorskip("triton")
 
 import importlib  # noqa: E402
 
-from mok_serve.kernels import fused_moe_reference  # noqa: E402
+from mok_serve.kernels import fused_moe_fp8_reference, fused_moe_reference  # noqa: E402
 from mok_serve.kernels import triton_moe as tm  # noqa: E402
+from mok_serve.kernels import triton_moe_fp8 as tf  # noqa: E402
+from mok_serve.kernels.fp8 import quantize_fp8_blocks, quantize_fp8_groups  # noqa: E402
 
 if type(tm._moe_gemm1_kernel).__name__ != "InterpretedFunction":
     tm = importlib.reload(tm)
+if type(tf._fp8_gemm1_kernel).__name__ != "InterpretedFunction" or tf._tile_of is not tm._tile_of:
+    tf = importlib.reload(tf)
 from mok_serve.kernels import ep_cuda  # noqa: E402
 
-if type(ep_cuda._ep_sync_kernel).__name__ != "InterpretedFunction" or ep_cuda._tile_of is not tm._tile_of:
+if (
+    type(ep_cuda._ep_sync_kernel).__name__ != "InterpretedFunction"
+    or ep_cuda._tile_of is not tm._tile_of
+    or ep_cuda.launch_fp8_gemm1 is not tf.launch_fp8_gemm1
+):
     ep_cuda = importlib.reload(ep_cuda)
 
 HIDDEN, INTER, TOP_K, MAX_T = 32, 16, 4, 8
@@ -48,16 +56,16 @@ def global_inputs(seed, counts, num_experts, routing="uniform"):
     return x, w13, w2, weights, ids
 
 
-def make_ranks(world, num_experts, replicated=False, return_mode="pull", max_spins=None):
+def make_ranks(world, num_experts, replicated=False, return_mode="pull", max_spins=None, quant=None, hidden=HIDDEN):
     placement = ep_cuda.ExpertPlacement.linear(num_experts, world)
     sources = 1 if replicated else world
-    total = ep_cuda._Layout(world, sources, MAX_T, HIDDEN, TOP_K, 2).total
+    total = ep_cuda._Layout(world, sources, MAX_T, hidden, TOP_K, 2, fp8=quant == "fp8").total
     segments = [torch.full((total,), 0xAB, dtype=torch.uint8) for _ in range(world)]  # poisoned
     ranks = [
         ep_cuda.SymmetricMemoryEPWorkspace(
-            None, max_tokens_per_rank=MAX_T, hidden_size=HIDDEN, top_k=TOP_K, dtype=torch.bfloat16,
+            None, max_tokens_per_rank=MAX_T, hidden_size=hidden, top_k=TOP_K, dtype=torch.bfloat16,
             placement=placement, replicated_tokens=replicated, timeout_s=1.0, return_mode=return_mode,
-            _simulated=(r, segments), _max_spins=max_spins,
+            quant=quant, _simulated=(r, segments), _max_spins=max_spins,
         )
         for r in range(world)
     ]
@@ -70,8 +78,9 @@ def local_weights(w13, w2, placement, rank):
     return w13[order].contiguous(), w2[order].contiguous()
 
 
-def run_call(ranks, per_rank_args, layer="L"):
-    stage_lists = [ws.stages(*args, layer=layer) for ws, args in zip(ranks, per_rank_args)]
+def run_call(ranks, per_rank_args, layer="L", per_rank_kwargs=None):
+    per_rank_kwargs = per_rank_kwargs or [{}] * len(ranks)
+    stage_lists = [ws.stages(*args, layer=layer, **kw) for ws, args, kw in zip(ranks, per_rank_args, per_rank_kwargs)]
     outs = [None] * len(ranks)
     for i in range(len(stage_lists[0])):
         for r, stages in enumerate(stage_lists):
@@ -152,3 +161,94 @@ def test_silent_peer_gives_a_timeout_error_naming_the_rank():
         ranks[0].check_errors()
     with pytest.raises(ep_cuda.PeerTimeoutError, match="rank 1 did not post its tokens"):
         ranks[0].fused_moe(x[:3], l13, l2, weights[:3], ids[:3], layer="L8")  # surfaces lazily too
+
+
+# ---------------------------------------------------------------------------------- FP8 experts
+
+# H and I not multiples of 128: partial activation groups and weight blocks on both GEMMs.
+HIDDEN_F8, INTER_F8 = 192, 96
+
+
+def global_inputs_fp8(seed, counts, num_experts, routing="uniform"):
+    g = torch.Generator().manual_seed(seed)
+    total = sum(counts)
+    x = torch.randn(total, HIDDEN_F8, generator=g).bfloat16()
+    x[::3] *= 50  # token rows of very different magnitudes: per-token scales matter
+    w13, s13 = quantize_fp8_blocks(torch.randn(num_experts, 2 * INTER_F8, HIDDEN_F8, generator=g) / HIDDEN_F8**0.5)
+    w2, s2 = quantize_fp8_blocks(torch.randn(num_experts, HIDDEN_F8, INTER_F8, generator=g) / INTER_F8**0.5)
+    _, _, _, weights, ids = global_inputs(seed, counts, num_experts, routing)
+    return x, (w13, w2, s13, s2), weights, ids
+
+
+def local_fp8(fp8, placement, rank):
+    w13, w2, s13, s2 = fp8
+    mine = (placement.owner == rank).nonzero().flatten()
+    order = mine[placement.local[mine].argsort()]
+    return w13[order].contiguous(), w2[order].contiguous(), s13[order].contiguous(), s2[order].contiguous()
+
+
+def run_fp8_call(ranks, placement, x, fp8, weights, ids, counts, layer="L"):
+    args, kwargs = [], []
+    for r in range(len(ranks)):
+        sl = slice(sum(counts[:r]), sum(counts[:r]) + counts[r])
+        l13, l2, ls13, ls2 = local_fp8(fp8, placement, r)
+        args.append((x[sl], l13, l2, weights[sl], ids[sl]))
+        kwargs.append(dict(scales=(ls13, ls2)))
+    return run_call(ranks, args, layer=layer, per_rank_kwargs=kwargs)
+
+
+@pytest.mark.parametrize("world,return_mode,cases", [(2, "pull", CASES), (2, "push", CASES[1:2]), (3, "pull", CASES[1:2])])
+def test_ep_fp8_equals_one_gpu_fp8_kernel_bitwise(world, return_mode, cases):
+    num_experts = 4 * world
+    ranks, placement, _ = make_ranks(world, num_experts, return_mode=return_mode, quant="fp8", hidden=HIDDEN_F8)
+    for call, (counts, routing) in enumerate(cases):
+        counts = counts[:world]
+        x, fp8, weights, ids = global_inputs_fp8(20 + call, counts, num_experts, routing)
+        expected = tf.fused_moe_fp8_triton(x, *fp8, weights, ids)
+        ref = fused_moe_fp8_reference(x, *fp8, weights, ids)
+        for _ in range(2 if call == 0 else 1):  # back-to-back calls on the same segments
+            got = torch.cat(run_fp8_call(ranks, placement, x, fp8, weights, ids, counts, layer=f"case{call}"))
+            err = ((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+            assert err < 1e-2, f"case {call}: rel err {err}"
+            assert torch.equal(got, expected), f"case {call}: FP8 EP={world} differs from the one-GPU FP8 kernel"
+    for ws in ranks:
+        ws.check_errors()
+        assert int(ws.state[ep_cuda.ST_EPOCH]) == len(cases) + 1
+
+
+def test_ep_fp8_posts_quantized_rows_and_pulls_each_once():
+    # Each rank posts its tokens as torch's per-token 1 x 128 quantization (bit for bit), and rank 1
+    # pulls exactly source 0's rows with an expert on rank 1, e4m3 bytes and scales.
+    world, num_experts = 2, 8
+    ranks, placement, _ = make_ranks(world, num_experts, quant="fp8", hidden=HIDDEN_F8)
+    counts = (7, 3)
+    x, fp8, weights, ids = global_inputs_fp8(78, counts, num_experts)
+    ids[:3] = torch.tensor([3, 0, 2, 1], dtype=ids.dtype)  # tokens whose experts all live on rank 0
+    run_fp8_call(ranks, placement, x, fp8, weights, ids, counts)
+    q, s = quantize_fp8_groups(x)
+    ws0, ws1 = ranks
+    assert torch.equal(ws0.seg_x.view(MAX_T, HIDDEN_F8)[:7].view(torch.uint8), q[:7].view(torch.uint8))
+    assert torch.equal(ws0.seg_xs.view(MAX_T, -1)[:7], s[:7])
+    assert torch.equal(ws1.seg_xs.view(MAX_T, -1)[:3], s[7:])
+    need = (placement.owner[ids[:7].long()] == 1).any(dim=1)
+    assert 0 < int(need.sum()) < 7
+    assert torch.equal(ws1.xl[:7][need].view(torch.uint8), q[:7][need].view(torch.uint8))
+    assert torch.equal(ws1.xsl[:7][need], s[:7][need])
+    assert ws0.seg_x.numel() * ws0.seg_x.element_size() == MAX_T * HIDDEN_F8  # one byte per element
+
+
+def test_ep_fp8_replicated_tokens_and_wrong_entry_point():
+    world, num_experts = 2, 4
+    ranks, placement, _ = make_ranks(world, num_experts, replicated=True, quant="fp8", hidden=HIDDEN_F8)
+    x, fp8, weights, ids = global_inputs_fp8(51, [5], num_experts)
+    args = [(x, *local_fp8(fp8, placement, r)[:2], weights, ids) for r in range(world)]
+    kwargs = [dict(scales=local_fp8(fp8, placement, r)[2:]) for r in range(world)]
+    outs = run_call(ranks, args, per_rank_kwargs=kwargs)
+    expected = tf.fused_moe_fp8_triton(x, *fp8, weights, ids)
+    for out in outs:
+        assert torch.equal(out, expected)
+    with pytest.raises(ValueError, match="quant='fp8': call fused_moe_fp8"):
+        ranks[0].fused_moe(x, *args[0][1:3], weights, ids)
+    bf16_ranks, _, _ = make_ranks(world, num_experts)
+    with pytest.raises(ValueError, match="quant=None: call fused_moe "):
+        bf16_ranks[0].fused_moe_fp8(x[:, :HIDDEN], *local_fp8(fp8, placement, 0), weights, ids)
