@@ -18,6 +18,15 @@ HBM bytes = local experts touched x 3*H*I*2 + activations, NVLink bytes in = tok
 kittens time. Also the device time each kittens variant spends waiting for the COMPUTED
 (completion) flags, measured in the wait kernel with %globaltimer.
 
+``--fp8``: block-scaled FP8 experts (e4m3, one fp32 scale per 128 x 128 block; DeepSeek-V3 and
+Kimi-K2 by default; results ``ep_bench_fp8.{json,md}``): kittens ``fused_moe_fp8`` on a
+``quant="fp8"`` workspace (token rows cross NVLink as e4m3 + 1 x 128 group scales) against the same
+baselines on bf16 rows with the experts dequantized to bf16 inside the timed call
+(``layer_bench.dequantizer``; ``torch._scaled_grouped_mm`` takes row-wise scales only, not 128 x
+128 blocks). Floor with FP8 rates: FLOPs at the dense FP8 rate measured in the run
+(``layer_bench.fp8_rate``), 1-byte weights + block scales, pulled rows of H + 4 * H / 128 bytes.
+Error limit vs a2a 8e-2 (a2a keeps bf16 activations; kittens quantizes x and the activation).
+
 ``python -m mok_serve.loadtest.ep_bench --shapes Qwen3-30B-A3B --tokens 1 128 --out results/ep``
 """
 
@@ -155,8 +164,18 @@ def as_graph(fn):
     return g
 
 
-def floor_terms(all_ids, owner, world, T, H, I, K):
-    """Per rank: flops, HBM bytes, NVLink bytes in (pull design's minimal traffic)."""
+FP8_WEIGHT_BYTES = 1.0 + 4.0 / (128 * 128)  # e4m3 + one fp32 scale per 128 x 128 block
+
+
+def fp8_row_bytes(hidden):
+    """Bytes of one token row posted and pulled as e4m3 with its fp32 1 x 128 group scales."""
+    return hidden + 4 * -(-hidden // 128)
+
+
+def floor_terms(all_ids, owner, world, T, H, I, K, *, peak_flops=PEAK_FLOPS, weight_bytes=2.0, row_bytes=None):
+    """Per rank: flops, HBM bytes, NVLink bytes in (pull design's minimal traffic). Defaults are
+    bf16; FP8 rows pass the measured FP8 rate, ``FP8_WEIGHT_BYTES`` and ``fp8_row_bytes(H)``."""
+    row_bytes = 2 * H if row_bytes is None else row_bytes
     ids = all_ids.view(world, T, K).long()
     own = owner[ids].long()  # [world, T, K]
     terms = []
@@ -166,11 +185,33 @@ def floor_terms(all_ids, owner, world, T, H, I, K):
         pulled = sum(int((own[s] == r).any(dim=1).sum()) for s in range(world) if s != r)
         returned = int((own[r] != r).sum())
         flops = 6.0 * rows * H * I
-        hbm = touched * 3 * H * I * 2 + 2 * T * H * 2 + (pulled + returned) * H * 2
-        nv = (pulled + returned) * H * 2
-        terms.append(dict(rows=rows, touched=touched, flops=flops, hbm=hbm, nvlink=nv,
-                          floor_ms=max(flops / PEAK_FLOPS, hbm / PEAK_HBM, nv / PEAK_NVLINK) * 1e3))
+        hbm = touched * 3 * H * I * weight_bytes + 2 * T * H * 2 + pulled * row_bytes + returned * H * 2
+        nv = pulled * row_bytes + returned * H * 2
+        terms.append(dict(rows=rows, touched=touched, flops=flops, hbm=hbm, nvlink=nv, peak_flops=peak_flops,
+                          floor_ms=max(flops / peak_flops, hbm / PEAK_HBM, nv / PEAK_NVLINK) * 1e3))
     return terms
+
+
+def make_experts(El, H, I, fp8, gen, chunk=16):
+    """This rank's experts: bf16 ``(w13, w2)``, or for FP8 ``(w13q, w2q, w13s, w2s)`` quantized in
+    chunks of experts (the fp32 intermediates stay small)."""
+    if not fp8:
+        w13 = torch.randn(El, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen) / H**0.5
+        w2 = torch.randn(El, H, I, device="cuda", dtype=torch.bfloat16, generator=gen) / I**0.5
+        return w13, w2
+    from mok_serve.kernels.fp8 import FP8_DTYPE, quantize_fp8_blocks
+
+    w13q = torch.empty(El, 2 * I, H, device="cuda", dtype=FP8_DTYPE)
+    w2q = torch.empty(El, H, I, device="cuda", dtype=FP8_DTYPE)
+    w13s = torch.empty(El, -(-2 * I // 128), -(-H // 128), device="cuda")
+    w2s = torch.empty(El, -(-H // 128), -(-I // 128), device="cuda")
+    for e in range(0, El, chunk):
+        n = min(chunk, El - e)
+        w13q[e : e + n], w13s[e : e + n] = quantize_fp8_blocks(
+            torch.randn(n, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen) / H**0.5)
+        w2q[e : e + n], w2s[e : e + n] = quantize_fp8_blocks(
+            torch.randn(n, H, I, device="cuda", dtype=torch.bfloat16, generator=gen) / I**0.5)
+    return w13q, w2q, w13s, w2s
 
 
 # ---------------------------------------------------------------------------------- ranks
@@ -202,6 +243,15 @@ def run_rank(rank, world, args):
     deadline = time.monotonic() + args.deadline_s
     out_rows = []
     log = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
+    fp8 = args.fp8
+    floor_kw = {}
+    if fp8:
+        from .layer_bench import dequantizer, fp8_rate
+
+        rate = torch.tensor([fp8_rate()], device="cuda", dtype=torch.float64)
+        dist.broadcast(rate, 0, group=group)  # rank 0's measured dense FP8 rate for every floor
+        floor_kw = dict(peak_flops=float(rate.item()), weight_bytes=FP8_WEIGHT_BYTES)
+        log(f"dense FP8 rate (torch._scaled_mm) {rate.item() / 1e12:.0f} TFLOP/s")
     for name in args.shapes:
         s = shapes[name]
         E, H, I, K = s["routed_experts"], s["hidden"], s["moe_intermediate"], s["top_k"]
@@ -211,8 +261,14 @@ def run_rank(rank, world, args):
         emap = placement.expert_map(rank).cuda().long()
         gen = torch.Generator(device="cuda").manual_seed(args.seed + rank)
         El = E // world
-        w13 = torch.randn(El, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen) / H**0.5
-        w2 = torch.randn(El, H, I, device="cuda", dtype=torch.bfloat16, generator=gen) / I**0.5
+        experts = make_experts(El, H, I, fp8, gen)
+        if fp8:
+            # Baselines run on bf16 experts dequantized inside every timed call.
+            w13, w2, refresh = dequantizer(experts[0], experts[2], experts[1], experts[3])
+            floor_kw["row_bytes"] = fp8_row_bytes(H)
+        else:
+            w13, w2 = experts
+            refresh = lambda: None  # noqa: E731
         for T in args.tokens:
             for routing in args.routings:
                 if routing == "skewed" and args.skewed_tokens is not None and T not in args.skewed_tokens:
@@ -234,22 +290,37 @@ def run_rank(rank, world, args):
                 tw = tw / tw.sum(-1, keepdim=True)
                 all_ids = ids.new_empty(world * T, K)
                 dist.all_gather_into_tensor(all_ids, ids, group=group)
-                terms = floor_terms(all_ids.cpu(), placement.owner, world, T, H, I, K)
-                row = dict(shape=name, world=world, tokens=T, routing=routing, experts=E, hidden=H, inter=I, top_k=K)
+                terms = floor_terms(all_ids.cpu(), placement.owner, world, T, H, I, K, **floor_kw)
+                row = dict(shape=name, world=world, tokens=T, routing=routing, experts=E, hidden=H, inter=I, top_k=K,
+                           quant="fp8 block 128x128" if fp8 else "bf16")
+                ws = None
                 try:
                     ws = SymmetricMemoryEPWorkspace(
                         group, max_tokens_per_rank=T, hidden_size=H, top_k=K, dtype=torch.bfloat16,
-                        placement=placement, timeout_s=args.timeout_s,
+                        placement=placement, timeout_s=args.timeout_s, quant="fp8" if fp8 else None,
                     )
+                    if fp8:
+                        kittens = lambda: ws.fused_moe_fp8(x, *experts, tw, ids)  # noqa: E731
+                    else:
+                        kittens = lambda: ws.fused_moe(x, w13, w2, tw, ids)  # noqa: E731
+
+                    def a2a():
+                        refresh()
+                        return a2a_moe(x, ids, tw, w13, w2, owner, local, world, group)
+
+                    def agrs():
+                        refresh()
+                        return agrs_moe(x, ids, tw, w13, w2, emap, world, group)
+
                     impls = {}
                     res = {}
                     for mode in ("pull", "push"):
                         ws.return_mode = mode
-                        res[mode] = ws.fused_moe(x, w13, w2, tw, ids)
+                        res[mode] = kittens()
                     base_ok = True
                     try:
-                        res["a2a"] = a2a_moe(x, ids, tw, w13, w2, owner, local, world, group)
-                        res["agrs"] = agrs_moe(x, ids, tw, w13, w2, emap, world, group)
+                        res["a2a"] = a2a()
+                        res["agrs"] = agrs()
                     except Exception:  # noqa: BLE001
                         base_ok = False
                         row["baseline_error"] = traceback.format_exc()[-1500:]
@@ -264,11 +335,11 @@ def run_rank(rank, world, args):
                     for mode in ("pull", "push"):
                         ws.return_mode = mode
                         try:
-                            gr = as_graph(lambda: ws.fused_moe(x, w13, w2, tw, ids))
+                            gr = as_graph(kittens)
                             fn, how = gr.replay, "graph"
                         except Exception as exc:  # noqa: BLE001
                             log(f"  capture failed ({type(exc).__name__}: {exc}); eager")
-                            fn, how = (lambda: ws.fused_moe(x, w13, w2, tw, ids)), "eager"
+                            fn, how = kittens, "eager"
                         fn()
                         t, w = timed(fn, args.iters, group, extra=ws.wait_ns)
                         times[f"kittens_{mode}"] = t
@@ -277,8 +348,7 @@ def run_rank(rank, world, args):
                         del fn
                         gr = None
                     ws.check_errors()
-                    for nm, fn in (("a2a", lambda: a2a_moe(x, ids, tw, w13, w2, owner, local, world, group)),
-                                   ("agrs", lambda: agrs_moe(x, ids, tw, w13, w2, emap, world, group))):
+                    for nm, fn in (("a2a", a2a), ("agrs", agrs)):
                         if not base_ok:
                             times[nm] = [float("nan")] * args.iters
                             continue
@@ -288,7 +358,7 @@ def run_rank(rank, world, args):
                 except Exception:  # noqa: BLE001
                     row["error"] = traceback.format_exc()[-2000:]
                     log(f"{name} T={T} {routing}: FAILED\n{row['error']}")
-                ws = None
+                ws = kittens = None
                 gc.collect()
                 torch.cuda.empty_cache()
                 # Aggregate across ranks on rank 0.
@@ -297,7 +367,7 @@ def run_rank(rank, world, args):
                 if rank == 0:
                     out_rows.append(summarize(gathered))
                     log(format_row(out_rows[-1]))
-        del w13, w2
+        del w13, w2, experts, refresh
         gc.collect()
         torch.cuda.empty_cache()
     return out_rows
@@ -306,6 +376,7 @@ def run_rank(rank, world, args):
 def summarize(per_rank):
     r0 = per_rank[0]
     row = {k: r0[k] for k in ("shape", "world", "tokens", "routing", "experts", "hidden", "inter", "top_k")}
+    row["quant"] = r0.get("quant", "bf16")
     errors = [r.get("error") for r in per_rank if r.get("error")]
     if errors:
         row["error"] = errors[0]
@@ -322,7 +393,7 @@ def summarize(per_rank):
     row["nvlink_bytes_max"] = max(t["nvlink"] for t in terms)
     row["rows_per_rank"] = [t["rows"] for t in terms]
     bound_t = max(terms, key=lambda t: t["floor_ms"])
-    row["bound"] = max((("compute", bound_t["flops"] / PEAK_FLOPS), ("hbm", bound_t["hbm"] / PEAK_HBM),
+    row["bound"] = max((("compute", bound_t["flops"] / bound_t.get("peak_flops", PEAK_FLOPS)), ("hbm", bound_t["hbm"] / PEAK_HBM),
                         ("nvlink", bound_t["nvlink"] / PEAK_NVLINK)), key=lambda p: p[1])[0]
     row["wait_us"] = {m: statistics.median([max(r["waits_ns"][m][i] for r in per_rank) for i in range(iters)]) / 1e3
                       for m in r0["waits_ns"]}
@@ -336,7 +407,10 @@ def summarize(per_rank):
     row["speedup_vs_best_baseline"] = row["best_baseline_ms"] / row["kittens_ms"]
     row["best_kittens_ms"] = best_k
     row["nvlink_GBps"] = row["nvlink_bytes_max"] / (row["kittens_ms"] * 1e-3) / 1e9
-    ok = row["rel_err_vs_a2a"]["pull"] <= 2e-2 and row["pull_eq_push"]
+    # FP8: a2a keeps bf16 activations (experts dequantized), kittens quantizes x and the activation.
+    row["err_limit"] = 8e-2 if row["quant"].startswith("fp8") else 2e-2
+    row["peak_flops"] = terms[0].get("peak_flops", PEAK_FLOPS)
+    ok = row["rel_err_vs_a2a"]["pull"] <= row["err_limit"] and row["pull_eq_push"]
     if row["tokens"] >= 128:
         target = "<= 1.25x floor"
         ok = ok and row["ratio_to_floor"] <= 1.25
@@ -349,10 +423,11 @@ def summarize(per_rank):
 
 
 def format_row(r):
+    tag = "FP8 " if r.get("quant", "bf16").startswith("fp8") else ""
     if "error" in r:
-        return f"{r['shape']:16s} T={r['tokens']:5d} {r['routing']:7s} ERROR"
+        return f"{tag}{r['shape']:16s} T={r['tokens']:5d} {r['routing']:7s} ERROR"
     ms = r["ms"]
-    return (f"{r['shape']:16s} T={r['tokens']:5d} {r['routing']:7s} pull {ms['kittens_pull']:8.3f} push "
+    return (f"{tag}{r['shape']:16s} T={r['tokens']:5d} {r['routing']:7s} pull {ms['kittens_pull']:8.3f} push "
             f"{ms['kittens_push']:8.3f} ms floor {r['floor_ms']:7.3f} ({r['bound']:7s}) x{r['ratio_to_floor']:5.2f} "
             f"a2a {ms['a2a']:8.3f} agrs {ms['agrs']:8.3f} best/k x{r['speedup_vs_best_baseline']:5.2f} "
             f"NVL {r['nvlink_GBps']:6.1f} GB/s wait(C) pull {r['wait_us']['pull']:7.1f} push {r['wait_us']['push']:7.1f} us "
@@ -360,10 +435,24 @@ def format_row(r):
 
 
 def markdown(rows, meta):
-    out = [f"# Expert-parallel layer benchmark ({meta['world']} x {meta['gpu']}, commit {meta['commit']})", "",
-           "Time: median over iterations of the max across ranks, ms. Floor = max over ranks of max(FLOPs/790e12, "
-           "HBM bytes/4.4e12, NVLink bytes in/3.3e11). kittens = pull return (default). wait(C): device time "
-           "in the wait for the completion (COMPUTED) flags, median of the max across ranks.", "",
+    if meta.get("fp8"):
+        head = [f"# Expert-parallel FP8 (block-scaled) layer benchmark ({meta['world']} x {meta['gpu']}, "
+                f"commit {meta['commit']})", "",
+                "Experts e4m3 with one fp32 scale per 128 x 128 block; kittens posts and pulls token rows as e4m3 "
+                "with 1 x 128 group scales (`fused_moe_fp8` on a `quant=\"fp8\"` workspace), results return in "
+                "bf16. Baselines (a2a, agrs) move bf16 rows and dequantize every local expert to bf16 inside each "
+                "timed call, then `torch._grouped_mm` (`torch._scaled_grouped_mm` takes row-wise scales only, not "
+                "128 x 128 blocks). Time: median over iterations of the max across ranks, ms. Floor = max over ranks "
+                f"of max(FLOPs / {meta['fp8_tflops']:.0f} TFLOP/s (dense FP8 `torch._scaled_mm`, measured in this "
+                "run), HBM bytes / 4.4e12 with 1-byte weights + block scales, NVLink bytes in / 3.3e11 with pulled "
+                "rows of H + 4*H/128 bytes). Error limit vs a2a 8e-2 (a2a keeps bf16 activations). wait(C): device "
+                "time in the wait for the completion flags.", ""]
+    else:
+        head = [f"# Expert-parallel layer benchmark ({meta['world']} x {meta['gpu']}, commit {meta['commit']})", "",
+                "Time: median over iterations of the max across ranks, ms. Floor = max over ranks of max(FLOPs/790e12, "
+                "HBM bytes/4.4e12, NVLink bytes in/3.3e11). kittens = pull return (default). wait(C): device time "
+                "in the wait for the completion (COMPUTED) flags, median of the max across ranks.", ""]
+    out = head + [
            "| shape | tokens/rank | routing | kittens pull | kittens push | a2a | agrs | floor (bound) | x floor | "
            "best baseline / kittens | NVLink GB/s | wait(C) pull us | wait(C) push us | target |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -392,9 +481,16 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=30.0)
     p.add_argument("--deadline-s", type=float, default=1e9, help="stop starting new rows after this")
-    p.add_argument("--out", default=str(RESULTS / "ep_bench"))
+    p.add_argument("--out", default=None, help="results path stem (default results/ep_bench, --fp8: ep_bench_fp8)")
+    p.add_argument("--fp8", action="store_true",
+                   help="block-FP8 experts (default shapes DeepSeek-V3 Kimi-K2; results ep_bench_fp8.{json,md})")
     args = p.parse_args(argv)
-    args.shapes = args.shapes or list(load_shapes())
+    if args.out is None:
+        args.out = str(RESULTS / ("ep_bench_fp8" if args.fp8 else "ep_bench"))
+    args.shapes = args.shapes or (["DeepSeek-V3", "Kimi-K2"] if args.fp8 else list(load_shapes()))
+    if args.world < 1:
+        print("the EP benchmark needs CUDA GPUs (--world >= 1)", file=sys.stderr)
+        return 2
     import multiprocessing as mp
 
     with socket.socket() as s:
@@ -420,7 +516,10 @@ def main(argv=None):
     except Exception:  # noqa: BLE001
         commit = "?"
     meta = dict(world=args.world, gpu=torch.cuda.get_device_name(0), commit=os.environ.get("MOK_COMMIT", commit),
-                torch=torch.__version__, time=time.strftime("%Y-%m-%d %H:%M:%S"))
+                torch=torch.__version__, time=time.strftime("%Y-%m-%d %H:%M:%S"), fp8=args.fp8)
+    if args.fp8:
+        rates = [r["peak_flops"] for r in rows or [] if "peak_flops" in r]
+        meta["fp8_tflops"] = rates[0] / 1e12 if rates else float("nan")
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if rows is not None:

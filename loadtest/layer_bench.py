@@ -118,18 +118,29 @@ def transformers_experts(w13, w2):
     return mod.eval()
 
 
-def dequantized_pipeline(w13q, w13s, w2q, w2s, chunk=16):
-    """Baseline for FP8 experts: dequantize every expert's weights to bf16 (``chunk`` experts at a
-    time, so the fp32 intermediate stays small), then ``torch_pipeline``."""
+def dequantizer(w13q, w13s, w2q, w2s, chunk=16):
+    """bf16 buffers for FP8 experts and a function that fills them by dequantizing every expert
+    (``chunk`` experts at a time, so the fp32 intermediate stays small): ``(w13, w2, refresh)``."""
     from mok_serve.kernels.fp8 import dequantize_fp8_blocks
 
     w13 = torch.empty(w13q.shape, dtype=torch.bfloat16, device=w13q.device)
     w2 = torch.empty(w2q.shape, dtype=torch.bfloat16, device=w2q.device)
 
-    def run(x, tw, ids):
+    def refresh():
         for e in range(0, w13q.shape[0], chunk):
             w13[e : e + chunk] = dequantize_fp8_blocks(w13q[e : e + chunk], w13s[e : e + chunk]).to(torch.bfloat16)
             w2[e : e + chunk] = dequantize_fp8_blocks(w2q[e : e + chunk], w2s[e : e + chunk]).to(torch.bfloat16)
+
+    return w13, w2, refresh
+
+
+def dequantized_pipeline(w13q, w13s, w2q, w2s, chunk=16):
+    """Baseline for FP8 experts: dequantize every expert's weights to bf16 (``dequantizer``), then
+    ``torch_pipeline``."""
+    w13, w2, refresh = dequantizer(w13q, w13s, w2q, w2s, chunk)
+
+    def run(x, tw, ids):
+        refresh()
         return torch_pipeline(x, w13, w2, tw, ids)
 
     return run
