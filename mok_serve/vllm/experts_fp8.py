@@ -23,6 +23,7 @@ from vllm.platforms import current_platform
 
 from mok_serve.kernels import fused_moe_fp8
 from mok_serve.vllm import KITTENS
+from mok_serve.vllm.expert_parallel import kittens_owns_dispatch
 from mok_serve.vllm.experts import KittensExperts, TimedMoEMethod, logger
 
 BLOCK = [128, 128]  # the one weight block shape kittens runs (DeepSeek-V3's)
@@ -40,8 +41,6 @@ def kittens_quantization_error(quantization: str | None, quant_cfg: dict | None,
     ``quantization`` is vLLM's resolved method name, ``quant_cfg`` the checkpoint's
     ``quantization_config`` (None when quantizing online).
     """
-    from mok_serve.vllm.expert_parallel import kittens_owns_dispatch
-
     if quantization is None:
         return None
     if quantization != "fp8" or quant_cfg is None:
