@@ -11,9 +11,11 @@ build needs as well) into torch's extension cache, once per machine. Where it ca
 a warning says why and the torch reference runs instead: same function, slower.
 """
 
+import fcntl
 import hashlib
 import logging
 import platform
+import time
 from pathlib import Path
 
 import torch
@@ -36,19 +38,43 @@ def _build_name() -> str:
     return f"mok_serve_cpu_{digest}"
 
 
+def _load(name: str, build_dir: Path, timeout_s: float) -> None:
+    """Compile (first use) and load the kernel. One builder at a time per machine, through an
+    flock the kernel drops if the builder dies: torch's own lock is a plain file that a process
+    killed mid-build leaves behind, and every later load would then wait for it forever."""
+    from torch.utils import cpp_extension
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "mok-build.flock", "w") as guard:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process has been building {build_dir} for over {timeout_s:g} s")
+                time.sleep(0.2)
+        # Every builder holds the flock, so a torch lock file seen now is a dead builder's.
+        (build_dir / "lock").unlink(missing_ok=True)
+        cpp_extension.load(
+            name=name,
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-ffp-contract=off"],
+            build_directory=str(build_dir),
+            is_python_module=False,
+        )
+
+
 def available() -> bool:
     """Build and load the C++ kernel once per process; False (with a warning) if it cannot be."""
     global _built
     if _built is None:
         from torch.utils import cpp_extension
 
+        name = _build_name()
         try:
-            cpp_extension.load(
-                name=_build_name(),
-                sources=[str(_SOURCE)],
-                extra_cflags=["-O3", "-march=native", "-ffp-contract=off"],
-                is_python_module=False,
-            )
+            _load(name, Path(cpp_extension.get_default_build_root()) / name, timeout_s=300)
             _built = True
         except Exception as exc:  # a missing compiler or ninja shows up as any of several errors
             logger.warning("kittens: cannot build the CPU kernel (%s); using the slower torch reference", exc)

@@ -109,6 +109,19 @@ def _bind_cpu_threads(args) -> None:
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, c)) for c in chunks)
 
 
+def _build_cpu_kernel(args) -> None:
+    """Build kittens' C++ CPU kernel here, once, before vLLM starts its workers: otherwise the
+    first forward pass of every worker waits for the compiler (about 15 s on first use)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() and args.moe_backend == "kittens":
+        from mok_serve.kernels import cpu_moe
+
+        # vLLM has not configured its log handlers yet in this process.
+        print("mok-serve: loading kittens' CPU kernel (compiled on first use, about 15 s)", file=sys.stderr, flush=True)
+        cpu_moe.available()
+
+
 def serve(argv: list[str]) -> int:
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
@@ -120,11 +133,15 @@ def serve(argv: list[str]) -> int:
     if not _model_given(argv, args):
         family = args.tiny_family or tiny_models.DEFAULT_FAMILY
         args.model = str(tiny_models.build_tiny_model(family))
+        # vLLM's CPU backend otherwise reserves 92% of the memory for the KV cache and refuses to
+        # start when other processes hold more than 8%; 1 GiB is plenty for the tiny model.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     elif args.tiny_family:
         raise SystemExit("mok-serve: --tiny-family applies only when no model is given")
     validate_parsed_serve_args(args)
     _configure_timing(args)
     _bind_cpu_threads(args)
+    _build_cpu_kernel(args)
     ServeSubcommand.cmd(args)
     return 0
 

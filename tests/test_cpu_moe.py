@@ -101,3 +101,23 @@ def test_without_the_kernel_the_reference_runs(monkeypatch):
     x, w13, w2, weights, ids = make_layer(13, 72, 36, 5, 3, torch.bfloat16)
     monkeypatch.setattr(cpu_moe, "_built", False)
     assert torch.equal(fused_moe(x, w13, w2, weights, ids), reference.fused_moe_reference(x, w13, w2, weights, ids))
+
+
+def test_a_dead_builders_lock_does_not_block_loading(tmp_path, monkeypatch):
+    """torch's build lock left by a process killed mid-build is removed, not waited for."""
+    from torch.utils import cpp_extension
+
+    loads = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: loads.append(kw["build_directory"]))
+    (tmp_path / "lock").touch()
+    cpu_moe._load("mok_serve_cpu_test_lock", tmp_path, timeout_s=5)
+    assert loads == [str(tmp_path)] and not (tmp_path / "lock").exists()
+
+
+def test_a_live_builder_is_waited_for_with_a_bound(tmp_path):
+    import fcntl
+
+    with open(tmp_path / "mok-build.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # flock locks are per open file: this one blocks _load's
+        with pytest.raises(TimeoutError, match="building"):
+            cpu_moe._load("mok_serve_cpu_test_lock", tmp_path, timeout_s=0.5)

@@ -21,7 +21,7 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import QuantKey
 from vllm.model_executor.utils import replace_parameter
 from vllm.platforms import current_platform
 
-from mok_serve.kernels import fused_moe
+from mok_serve.kernels import cpu_moe, fused_moe
 from mok_serve.vllm import KITTENS, expert_parallel
 from mok_serve.vllm import timing
 
@@ -197,10 +197,11 @@ class KittensFusedMoEMethod(TimedMoEMethod, UnquantizedFusedMoEMethod):
         self.unquantized_backend = UnquantizedMoeBackend.TRITON
         self.experts_cls = KittensExperts
         self.supports_pre_processed_weights = True
-        logger.info_once(
-            "kittens: unquantized MoE layers run mok-serve's kittens experts (%s)",
-            "Triton kernels" if current_platform.is_cuda() else "torch reference",
-        )
+        if current_platform.is_cuda():
+            kernel = "Triton kernels"
+        else:
+            kernel = "C++ CPU kernel" if cpu_moe.available() else "torch reference"
+        logger.info_once("kittens: unquantized MoE layers run mok-serve's kittens experts (%s)", kernel)
 
     def _stock_backend(self) -> str:
         return self.unquantized_backend.value
