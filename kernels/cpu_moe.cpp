@@ -21,46 +21,77 @@ namespace {
 
 // Eight floats, one AVX register; GCC/Clang vector extensions keep this portable.
 typedef float vec8 __attribute__((vector_size(32)));
-typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 constexpr int ROW_BLOCK = 4;  // rows of one expert computed together, sharing weight loads
 
-inline vec8 load8(const float* p) {
-  vec8 v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-// bfloat16 is the top half of a float32: widen and shift, exactly.
-inline vec8 load8(const c10::BFloat16* p) {
-  u16x8 h;
-  __builtin_memcpy(&h, p, sizeof(h));
-  const u32x8 bits = __builtin_convertvector(h, u32x8) << 16;
+inline vec8 bits_to_float(u32x8 bits) {
   vec8 v;
   __builtin_memcpy(&v, &bits, sizeof(v));
   return v;
 }
 
-inline vec8 load8(const c10::Half* p) {
-  vec8 v;
-  for (int j = 0; j < 8; ++j) v[j] = static_cast<float>(p[j]);
-  return v;
-}
-
-// out[r][n] = sum over k = 0, 1, ..., K-1 in that order of a[r][k] * wt[k][n] (multiply, then
-// add) for the R rows and the columns [n0, n0 + 8 * V) of one tile; wt is the weight transposed,
-// [K, N]. V vec8 accumulators per row: enough independent additions in flight to hide the add
-// latency, few enough to stay in registers.
-template <int R, int V, typename W>
-inline void gemm_tile(const float* const* a, const W* wt, int64_t K, int64_t N, int64_t n0, float* const* out) {
-  vec8 acc[R][V] = {};
-  for (int64_t k = 0; k < K; ++k) {
-    vec8 w[V];
-    for (int v = 0; v < V; ++v) w[v] = load8(wt + k * N + n0 + 8 * v);
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < V; ++v) acc[r][v] += w[v] * a[r][k];
+// Sixteen consecutive weights as two vec8. For float and half: columns 0-7 and 8-15. For
+// bfloat16, the top half of a float32: one 32-byte load holds 16 values in pairs, and a shift
+// and a mask give the even columns and the odd columns, exactly (`INTERLEAVED` says so).
+template <typename W>
+struct Load16 {
+  static constexpr bool INTERLEAVED = false;
+  static void load(const W* p, vec8& lo, vec8& hi) {
+    for (int j = 0; j < 8; ++j) {
+      lo[j] = static_cast<float>(p[j]);
+      hi[j] = static_cast<float>(p[8 + j]);
+    }
   }
-  for (int r = 0; r < R; ++r) __builtin_memcpy(out[r] + n0, acc[r], sizeof(acc[r]));
+};
+
+template <>
+struct Load16<float> {
+  static constexpr bool INTERLEAVED = false;
+  static void load(const float* p, vec8& lo, vec8& hi) {
+    __builtin_memcpy(&lo, p, sizeof(lo));
+    __builtin_memcpy(&hi, p + 8, sizeof(hi));
+  }
+};
+
+template <>
+struct Load16<c10::BFloat16> {
+  static constexpr bool INTERLEAVED = true;
+  static void load(const c10::BFloat16* p, vec8& even, vec8& odd) {
+    u32x8 pairs;
+    __builtin_memcpy(&pairs, p, sizeof(pairs));
+    even = bits_to_float(pairs << 16);
+    odd = bits_to_float(pairs & 0xFFFF0000u);
+  }
+};
+
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+// out[r][n] = sum over k = 0, 1, ..., K-1 in that order of a[r][k] * wt[k][n] for the R rows and
+// the 16 * P columns from n0; wt is the weight transposed, [K, N]. Every term is one fused
+// multiply-add (this block is compiled with contraction on; the scalar tail of gemm_rows too), on
+// every code path. 2 * P vec8 accumulators per row: enough independent additions in flight to
+// hide their latency, few enough to stay in registers.
+template <int R, int P, typename W>
+inline void gemm_tile(const float* const* a, const W* wt, int64_t K, int64_t N, int64_t n0, float* const* out) {
+  vec8 acc[R][2 * P] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    vec8 w[2 * P];
+    for (int p = 0; p < P; ++p) Load16<W>::load(wt + k * N + n0 + 16 * p, w[2 * p], w[2 * p + 1]);
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < 2 * P; ++v) acc[r][v] += w[v] * a[r][k];
+  }
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p)
+      for (int j = 0; j < 8; ++j) {
+        const int64_t n = n0 + 16 * p;
+        if (Load16<W>::INTERLEAVED) {
+          out[r][n + 2 * j] = acc[r][2 * p][j];
+          out[r][n + 2 * j + 1] = acc[r][2 * p + 1][j];
+        } else {
+          out[r][n + j] = acc[r][2 * p][j];
+          out[r][n + 8 + j] = acc[r][2 * p + 1][j];
+        }
+      }
 }
 
 // out[r] = a[r] @ wt for R rows. Every element is summed in the same order on every code path
@@ -68,10 +99,10 @@ inline void gemm_tile(const float* const* a, const W* wt, int64_t K, int64_t N, 
 // on its tile.
 template <int R, typename W>
 void gemm_rows(const float* const* a, const W* wt, int64_t K, int64_t N, float* const* out) {
-  constexpr int V = R <= 2 ? 8 / R : 2;
+  constexpr int P = R == 1 ? 4 : R == 2 ? 2 : 1;
   int64_t n = 0;
-  for (; n + 8 * V <= N; n += 8 * V) gemm_tile<R, V>(a, wt, K, N, n, out);
-  for (; n + 8 <= N; n += 8) gemm_tile<R, 1>(a, wt, K, N, n, out);
+  for (; n + 16 * P <= N; n += 16 * P) gemm_tile<R, P>(a, wt, K, N, n, out);
+  for (; n + 16 <= N; n += 16) gemm_tile<R, 1>(a, wt, K, N, n, out);
   for (; n < N; ++n)
     for (int r = 0; r < R; ++r) {
       float acc = 0.0f;
@@ -79,6 +110,8 @@ void gemm_rows(const float* const* a, const W* wt, int64_t K, int64_t N, float* 
       out[r][n] = acc;
     }
 }
+
+#pragma GCC pop_options
 
 // Rounds through the activation dtype, as a GEMM in that dtype returns its result.
 template <typename T>
