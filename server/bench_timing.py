@@ -1,11 +1,11 @@
 """Output tokens/s of a mok-serve server with per-layer timing on vs off (not a timed test).
 
-    python -m mok_serve.server.bench_timing [--prompts 32] [--concurrency 8] [--max-tokens 64] [--rounds 8]
+    python -m mok_serve.server.bench_timing [--prompts 64] [--concurrency 8] [--max-tokens 64] [--rounds 8]
 
 Starts both servers on loopback at once (the embedded tiny model, kittens; timing on and off),
 then sends the same random-prompt workload with ``ignore_eos`` (fixed output length) to one and
 the other in alternation, round after round: a slow spell of a shared machine then hits both
-settings alike (an idle vLLM server stops polling after a second). Prints tokens/s per round, and
+settings alike (each round starts after the other server's workers have stopped polling). Prints tokens/s per round, and
 the median over rounds of the on/off ratio of each pair of consecutive rounds.
 """
 
@@ -19,6 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from mok_serve.server_process import ServerProcess
+
+
+# vLLM's workers keep polling for a second after their last request (shm_broadcast's busy loop);
+# both servers' workers are pinned to the same cores, so each round waits that out first.
+IDLE_S = 2.0
 
 
 def run_round(url, model, prompts, max_tokens, concurrency):
@@ -37,7 +42,7 @@ def run_round(url, model, prompts, max_tokens, concurrency):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=8)
@@ -60,6 +65,7 @@ def main():
         for i in range(a.rounds):
             # Alternate which setting goes first, so neither always follows the other.
             for label in (("on", "off") if i % 2 == 0 else ("off", "on")):
+                time.sleep(IDLE_S)
                 rates[label].append(run_round(servers[label].url, model, prompts, a.max_tokens, a.concurrency))
             print(f"round {i}: on {rates['on'][-1]:.0f}, off {rates['off'][-1]:.0f} output tok/s", flush=True)
     ratios = [on / off for on, off in zip(rates["on"], rates["off"])]
