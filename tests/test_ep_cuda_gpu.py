@@ -2,11 +2,13 @@
 
 Every rank draws the same global inputs, runs its share through ``SymmetricMemoryEPWorkspace`` and
 checks the result bitwise against one-GPU ``fused_moe`` on the global inputs with all experts, and
-against the torch reference within bf16 tolerance. Run with ``pytest -m gpu`` on a machine with
+against the torch reference within bf16 tolerance; each scenario runs for bf16 experts and for FP8
+block-scaled ones (``quant``). Run with ``pytest -m gpu`` on a machine with
 2 GPUs; NVLink multicast stays off (NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 NVSHMEM_DISABLE_NVLS=1).
 """
 
+import functools
 import os
 
 import pytest
@@ -68,76 +70,127 @@ CASES = [  # tokens per rank, routing
 ]
 
 
-def scenario_bitwise(rank, world):
-    from mok_serve.kernels import fused_moe, fused_moe_reference
-    from mok_serve.kernels.ep_cuda import ExpertPlacement, SymmetricMemoryEPWorkspace
+FP8_CASES = [  # tokens per rank, routing (uneven, a rank with 0 tokens, skewed)
+    ((1, 1), "uniform"),
+    ((37, 5), "uniform"),
+    ((0, 41), "uniform"),
+    ((96, 13), "one_rank"),
+    ((50, 50), "hot"),
+    ((128, 128), "uniform"),
+    ((1000, 2048), "uniform"),
+    ((4096, 1500), "hot"),
+]
+QUANTS = {  # quant: max tokens per rank, cases, seed offset, rel err bound vs the reference, log tag
+    "bf16": dict(max_tokens=8192, cases=CASES, seed=0, tol=1e-2, tag=""),
+    "fp8": dict(max_tokens=4096, cases=FP8_CASES, seed=2000, tol=3e-2, tag="FP8 "),
+}
 
+
+def quant_inputs(quant, seed, counts, num_experts, hidden, inter, top_k, routing="uniform"):
+    """(x, experts, weights, ids): experts is (w13, w2) for bf16, (q13, q2, s13, s2) for FP8."""
+    x, w13, w2, weights, ids = global_inputs(seed, counts, num_experts, hidden, inter, top_k, routing)
+    if quant == "bf16":
+        return x, (w13, w2), weights, ids
+    from mok_serve.kernels.fp8 import quantize_fp8_blocks
+
+    (q13, s13), (q2, s2) = quantize_fp8_blocks(w13), quantize_fp8_blocks(w2)
+    return x, (q13, q2, s13, s2), weights, ids
+
+
+def local_experts(experts, placement, rank):
+    """This rank's experts in local order: each (gate_up, down) pair of ``experts`` (the FP8 scales too)."""
+    return sum((local_weights(*experts[i : i + 2], placement, rank) for i in range(0, len(experts), 2)), ())
+
+
+def quant_ops(quant):
+    """(one-GPU op, torch reference, name of the workspace's op) of a quant."""
+    from mok_serve import kernels
+
+    if quant == "bf16":
+        return kernels.fused_moe, kernels.fused_moe_reference, "fused_moe"
+    return kernels.fused_moe_fp8, kernels.fused_moe_fp8_reference, "fused_moe_fp8"
+
+
+def workspace(quant, placement, max_tokens, hidden, top_k, timeout_s=30.0):
+    from mok_serve.kernels.ep_cuda import SymmetricMemoryEPWorkspace
+
+    kw = {} if quant == "bf16" else {"quant": quant}
+    return SymmetricMemoryEPWorkspace(
+        None, max_tokens_per_rank=max_tokens, hidden_size=hidden, top_k=top_k, dtype=torch.bfloat16,
+        placement=placement, timeout_s=timeout_s, **kw,
+    )
+
+
+def scenario_bitwise(rank, world, quant="bf16"):
+    from mok_serve.kernels.ep_cuda import ExpertPlacement
+
+    q = QUANTS[quant]
+    one_gpu, reference, op = quant_ops(quant)
+    tag = q["tag"]
     lines = []
     for si, (H, I, E, K) in enumerate(SHAPES):
         placement = ExpertPlacement.linear(E, world)
-        ws = SymmetricMemoryEPWorkspace(
-            None, max_tokens_per_rank=8192, hidden_size=H, top_k=K, dtype=torch.bfloat16,
-            placement=placement, timeout_s=30.0,
-        )
-        cases = CASES if si == 0 else CASES[:6]
+        ws = workspace(quant, placement, q["max_tokens"], H, K)
+        cases = q["cases"] if si == 0 else q["cases"][:6]
         for ci, (counts, routing) in enumerate(cases):
-            x, w13, w2, weights, ids = global_inputs(1000 * si + ci, counts, E, H, I, K, routing)
-            expected = fused_moe(x, w13, w2, weights, ids)
-            ref = fused_moe_reference(x, w13, w2, weights, ids)
+            x, experts, weights, ids = quant_inputs(quant, q["seed"] + 1000 * si + ci, counts, E, H, I, K, routing)
+            expected = one_gpu(x, *experts, weights, ids)
+            ref = reference(x, *experts, weights, ids)
             start = sum(counts[:rank])
             sl = slice(start, start + counts[rank])
-            l13, l2 = local_weights(w13, w2, placement, rank)
+            local = local_experts(experts, placement, rank)
+            first = None
             for mode in ("pull", "push", "pull"):  # back-to-back calls, both return modes
                 ws.return_mode = mode
-                out = ws.fused_moe(x[sl], l13, l2, weights[sl], ids[sl], layer=f"s{si}c{ci}")
+                out = getattr(ws, op)(x[sl], *local, weights[sl], ids[sl], layer=f"{tag.lower()}s{si}c{ci}")
                 torch.cuda.synchronize()
                 ws._raise_if_error(ws.state.cpu())
                 if counts[rank]:
                     err = ((out.float() - ref[sl].float()).norm() / ref[sl].float().norm()).item()
-                    assert err < 1e-2, f"shape {si} case {ci} {mode}: rel err {err}"
+                    assert err < q["tol"], f"{tag}shape {si} case {ci} {mode}: rel err {err}"
                 assert torch.equal(out, expected[sl]), (
-                    f"shape {si} case {ci} ({counts}, {routing}) {mode}: EP=2 differs from one GPU; "
+                    f"{tag}shape {si} case {ci} ({counts}, {routing}) {mode}: EP=2 differs from one GPU; "
                     f"max diff {(out.float() - expected[sl].float()).abs().max().item()}"
                 )
+                if first is None:
+                    first = out.clone()
+                assert torch.equal(out, first), "repeat call differs"
             post_ns, comp_ns = ws.wait_ns()
-            lines.append(f"shape {(H, I, E, K)} tokens {counts} {routing}: bitwise OK; waits {post_ns/1e3:.1f} / {comp_ns/1e3:.1f} us")
+            lines.append(f"{tag}shape {(H, I, E, K)} tokens {counts} {routing}: bitwise OK; waits "
+                         f"{post_ns/1e3:.1f} / {comp_ns/1e3:.1f} us")
         ws.check_errors()
         ws.close()
     return "\n".join(lines)
 
 
-def scenario_graph(rank, world):
-    from mok_serve.kernels import fused_moe
-    from mok_serve.kernels.ep_cuda import ExpertPlacement, SymmetricMemoryEPWorkspace
+def scenario_graph(rank, world, quant="bf16"):
+    from mok_serve.kernels.ep_cuda import ExpertPlacement
 
+    one_gpu, _, op = quant_ops(quant)
+    tag = QUANTS[quant]["tag"]
     H, I, E, K = 1024, 512, 16, 8
     placement = ExpertPlacement.linear(E, world)
-    ws = SymmetricMemoryEPWorkspace(
-        None, max_tokens_per_rank=256, hidden_size=H, top_k=K, dtype=torch.bfloat16, placement=placement,
-        timeout_s=30.0,
-    )
+    ws = workspace(quant, placement, 256, H, K)
     counts = (200, 77)
-    x, w13, w2, weights, ids = global_inputs(7, counts, E, H, I, K)
+    x, experts, weights, ids = quant_inputs(quant, 7, counts, E, H, I, K)
     sl = slice(sum(counts[:rank]), sum(counts[:rank]) + counts[rank])
-    l13, l2 = local_weights(w13, w2, placement, rank)
+    local = local_experts(experts, placement, rank)
     xs, ws_, is_ = x[sl].clone(), weights[sl].clone(), ids[sl].clone()
-    out = ws.fused_moe(xs, l13, l2, ws_, is_)  # warm up (compiles)
+    getattr(ws, op)(xs, *local, ws_, is_)  # warm up (compiles)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        gout = ws.fused_moe(xs, l13, l2, ws_, is_)
-    outs = []
+        gout = getattr(ws, op)(xs, *local, ws_, is_)
     for seed in (11, 12, 13):  # new inputs each replay, layer after layer
-        x2, _, _, w2b, ids2 = global_inputs(seed, counts, E, H, I, K)
+        x2, _, w2b, ids2 = quant_inputs(quant, seed, counts, E, H, I, K)
         xs.copy_(x2[sl])
         ws_.copy_(w2b[sl])
         is_.copy_(ids2[sl])
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(gout, fused_moe(x2, w13, w2, w2b, ids2)[sl]), f"graph replay {seed} differs"
-        outs.append(gout.clone())
+        assert torch.equal(gout, one_gpu(x2, *experts, w2b, ids2)[sl]), f"{tag}graph replay {seed} differs"
     ws.check_errors()
-    return f"graph: 3 replays bitwise OK; epoch {int(ws.state[0])}"
+    return f"{tag}graph: 3 replays bitwise OK; epoch {int(ws.state[0])}"
 
 
 def scenario_silent_peer(rank, world):
@@ -165,126 +218,15 @@ def scenario_silent_peer(rank, world):
     return "timeout error raised"
 
 
-# ---------------------------------------------------------------------------------- FP8 experts
+@pytest.mark.parametrize("quant", QUANTS)
+def test_ep2_bitwise_equal_to_one_gpu(quant):
+    run_ranks(functools.partial(scenario_bitwise, quant=quant))
 
 
-def fp8_inputs(seed, counts, num_experts, hidden, inter, top_k, routing="uniform"):
-    from mok_serve.kernels.fp8 import quantize_fp8_blocks
-
-    x, w13, w2, weights, ids = global_inputs(seed, counts, num_experts, hidden, inter, top_k, routing)
-    (q13, s13), (q2, s2) = quantize_fp8_blocks(w13), quantize_fp8_blocks(w2)
-    return x, (q13, q2, s13, s2), weights, ids
-
-
-def local_fp8(fp8, placement, rank):
-    q13, q2, s13, s2 = fp8
-    l13, l2 = local_weights(q13, q2, placement, rank)
-    ls13, ls2 = local_weights(s13, s2, placement, rank)
-    return l13, l2, ls13, ls2
-
-
-FP8_CASES = [  # tokens per rank, routing (uneven, a rank with 0 tokens, skewed)
-    ((1, 1), "uniform"),
-    ((37, 5), "uniform"),
-    ((0, 41), "uniform"),
-    ((96, 13), "one_rank"),
-    ((50, 50), "hot"),
-    ((128, 128), "uniform"),
-    ((1000, 2048), "uniform"),
-    ((4096, 1500), "hot"),
-]
-
-
-def scenario_fp8_bitwise(rank, world):
-    from mok_serve.kernels import fused_moe_fp8, fused_moe_fp8_reference
-    from mok_serve.kernels.ep_cuda import ExpertPlacement, SymmetricMemoryEPWorkspace
-
-    lines = []
-    for si, (H, I, E, K) in enumerate(SHAPES):
-        placement = ExpertPlacement.linear(E, world)
-        ws = SymmetricMemoryEPWorkspace(
-            None, max_tokens_per_rank=4096, hidden_size=H, top_k=K, dtype=torch.bfloat16,
-            placement=placement, timeout_s=30.0, quant="fp8",
-        )
-        cases = FP8_CASES if si == 0 else FP8_CASES[:6]
-        for ci, (counts, routing) in enumerate(cases):
-            x, fp8, weights, ids = fp8_inputs(2000 + 1000 * si + ci, counts, E, H, I, K, routing)
-            expected = fused_moe_fp8(x, *fp8, weights, ids)
-            ref = fused_moe_fp8_reference(x, *fp8, weights, ids)
-            start = sum(counts[:rank])
-            sl = slice(start, start + counts[rank])
-            local = local_fp8(fp8, placement, rank)
-            first = None
-            for mode in ("pull", "push", "pull"):  # back-to-back calls, both return modes
-                ws.return_mode = mode
-                out = ws.fused_moe_fp8(x[sl], *local, weights[sl], ids[sl], layer=f"fp8 s{si}c{ci}")
-                torch.cuda.synchronize()
-                ws._raise_if_error(ws.state.cpu())
-                if counts[rank]:
-                    err = ((out.float() - ref[sl].float()).norm() / ref[sl].float().norm()).item()
-                    assert err < 3e-2, f"FP8 shape {si} case {ci} {mode}: rel err {err}"
-                assert torch.equal(out, expected[sl]), (
-                    f"FP8 shape {si} case {ci} ({counts}, {routing}) {mode}: EP=2 differs from one GPU; "
-                    f"max diff {(out.float() - expected[sl].float()).abs().max().item()}"
-                )
-                if first is None:
-                    first = out.clone()
-                assert torch.equal(out, first), "repeat call differs"
-            post_ns, comp_ns = ws.wait_ns()
-            lines.append(f"FP8 shape {(H, I, E, K)} tokens {counts} {routing}: bitwise OK; waits "
-                         f"{post_ns/1e3:.1f} / {comp_ns/1e3:.1f} us")
-        ws.check_errors()
-        ws.close()
-    return "\n".join(lines)
-
-
-def scenario_fp8_graph(rank, world):
-    from mok_serve.kernels import fused_moe_fp8
-    from mok_serve.kernels.ep_cuda import ExpertPlacement, SymmetricMemoryEPWorkspace
-
-    H, I, E, K = 1024, 512, 16, 8
-    placement = ExpertPlacement.linear(E, world)
-    ws = SymmetricMemoryEPWorkspace(
-        None, max_tokens_per_rank=256, hidden_size=H, top_k=K, dtype=torch.bfloat16, placement=placement,
-        timeout_s=30.0, quant="fp8",
-    )
-    counts = (200, 77)
-    x, fp8, weights, ids = fp8_inputs(7, counts, E, H, I, K)
-    sl = slice(sum(counts[:rank]), sum(counts[:rank]) + counts[rank])
-    local = local_fp8(fp8, placement, rank)
-    xs, ws_, is_ = x[sl].clone(), weights[sl].clone(), ids[sl].clone()
-    ws.fused_moe_fp8(xs, *local, ws_, is_)  # warm up (compiles)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        gout = ws.fused_moe_fp8(xs, *local, ws_, is_)
-    for seed in (11, 12, 13):  # new inputs each replay
-        x2, _, w2b, ids2 = fp8_inputs(seed, counts, E, H, I, K)
-        xs.copy_(x2[sl])
-        ws_.copy_(w2b[sl])
-        is_.copy_(ids2[sl])
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(gout, fused_moe_fp8(x2, *fp8, w2b, ids2)[sl]), f"FP8 graph replay {seed} differs"
-    ws.check_errors()
-    return f"FP8 graph: 3 replays bitwise OK; epoch {int(ws.state[0])}"
-
-
-def test_ep2_bitwise_equal_to_one_gpu():
-    run_ranks(scenario_bitwise)
-
-
-def test_ep2_cuda_graph_replays():
-    run_ranks(scenario_graph)
+@pytest.mark.parametrize("quant", QUANTS)
+def test_ep2_cuda_graph_replays(quant):
+    run_ranks(functools.partial(scenario_graph, quant=quant))
 
 
 def test_ep2_silent_peer_times_out():
     run_ranks(scenario_silent_peer)
-
-
-def test_ep2_fp8_bitwise_equal_to_one_gpu():
-    run_ranks(scenario_fp8_bitwise)
-
-
-def test_ep2_fp8_cuda_graph_replays():
-    run_ranks(scenario_fp8_graph)
