@@ -13,24 +13,7 @@ from mok_serve.kernels.fp8 import (
     quantize_fp8_blocks,
     quantize_fp8_groups,
 )
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not torch.isnan(out).any(), "NaN in output"
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
-def make_inputs(tokens, hidden, inter, experts, top_k, dtype=torch.bfloat16, seed=0, num_global=None, block=(128, 128)):
-    """Random bf16 experts and their FP8 quantization: (x, w13, w2, weights, ids, fp8 args)."""
-    g = torch.Generator().manual_seed(seed)
-    num_global = num_global or experts
-    x = torch.randn(tokens, hidden, generator=g).to(dtype)
-    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5).to(dtype)
-    w2 = (torch.randn(experts, hidden, inter, generator=g) / inter**0.5).to(dtype)
-    ids = torch.rand(tokens, num_global, generator=g).argsort(dim=1)[:, :top_k].to(torch.int32)
-    weights = torch.rand(tokens, top_k, generator=g)
-    (q13, s13), (q2, s2) = quantize_fp8_blocks(w13, block), quantize_fp8_blocks(w2, block)
-    return x, w13, w2, weights, ids, (q13, q2, s13, s2)
+from moe_test_utils import make_fp8_inputs, rel_err
 
 
 def float64_fp8_moe(x, q13, q2, s13, s2, weights, ids, expert_map=None, block=(128, 128)):
@@ -115,7 +98,7 @@ SHAPES = [(1, 256, 128, 4, 1), (7, 384, 256, 8, 2), (33, 256, 384, 16, 4), (64, 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tokens,hidden,inter,experts,top_k", SHAPES)
 def test_matches_float64_of_the_quantized_path(dtype, tokens, hidden, inter, experts, top_k):
-    x, _, _, weights, ids, fp8 = make_inputs(tokens, hidden, inter, experts, top_k, dtype, seed=tokens + hidden)
+    x, _, _, weights, ids, fp8 = make_fp8_inputs(tokens, hidden, inter, experts, top_k, dtype, seed=tokens + hidden)
     out = fused_moe_fp8(x, *fp8, weights, ids)
     assert out.dtype == dtype and out.shape == x.shape
     assert rel_err(out, float64_fp8_moe(x, *fp8, weights, ids)) <= 1e-2
@@ -127,26 +110,26 @@ def test_close_to_unquantized_math(tokens, hidden, inter, experts, top_k):
     # relative error (3 mantissa bits), so on random Gaussian data the layer output is ~6.3% off
     # unquantized math (30 seeds per shape here: 5.6-6.7%; a single token, fewer elements, spreads
     # to 5.5-8.1%, so it is left out). 5e-2 is below what the format allows; 8e-2 is the bound.
-    x, w13, w2, weights, ids, fp8 = make_inputs(tokens, hidden, inter, experts, top_k, seed=tokens)
+    x, w13, w2, weights, ids, fp8 = make_fp8_inputs(tokens, hidden, inter, experts, top_k, seed=tokens)
     unquantized = fused_moe_reference(x, w13.float(), w2.float(), weights, ids)
     assert rel_err(fused_moe_fp8(x, *fp8, weights, ids), unquantized) <= 8e-2
 
 
 def test_hidden_and_intermediate_not_multiples_of_128():
-    x, _, _, weights, ids, fp8 = make_inputs(21, 200, 72, 6, 3, seed=4)
+    x, _, _, weights, ids, fp8 = make_fp8_inputs(21, 200, 72, 6, 3, seed=4)
     out = fused_moe_fp8(x, *fp8, weights, ids)
     assert rel_err(out, float64_fp8_moe(x, *fp8, weights, ids)) <= 1e-2
 
 
 @pytest.mark.parametrize("block", [(64, 128), (128, 64), (32, 32)])
 def test_other_block_shapes(block):
-    x, _, _, weights, ids, fp8 = make_inputs(9, 192, 96, 4, 2, seed=5, block=block)
+    x, _, _, weights, ids, fp8 = make_fp8_inputs(9, 192, 96, 4, 2, seed=5, block=block)
     out = fused_moe_fp8(x, *fp8, weights, ids, block_shape=block)
     assert rel_err(out, float64_fp8_moe(x, *fp8, weights, ids, block=block)) <= 1e-2
 
 
 def test_bitwise_repeatable_and_batch_invariant():
-    x, _, _, weights, ids, fp8 = make_inputs(64, 256, 128, 8, 2, seed=6)
+    x, _, _, weights, ids, fp8 = make_fp8_inputs(64, 256, 128, 8, 2, seed=6)
     ids[10] = ids[20] = torch.tensor([3, 3], dtype=torch.int32)  # duplicates and a hot expert
     batch = fused_moe_fp8(x, *fp8, weights, ids)
     assert torch.equal(batch, fused_moe_fp8(x, *fp8, weights, ids))
@@ -157,7 +140,7 @@ def test_bitwise_repeatable_and_batch_invariant():
 
 def test_expert_map_drops_non_local_experts_and_shards_sum_to_the_whole():
     num_global, per_rank = 8, 4
-    x, _, _, weights, ids, (q13, q2, s13, s2) = make_inputs(40, 128, 128, num_global, 3, seed=7)
+    x, _, _, weights, ids, (q13, q2, s13, s2) = make_fp8_inputs(40, 128, 128, num_global, 3, seed=7)
     whole = fused_moe_fp8(x, q13, q2, s13, s2, weights, ids).float()
     parts = torch.zeros_like(whole)
     for r in range(num_global // per_rank):
@@ -173,7 +156,7 @@ def test_expert_map_drops_non_local_experts_and_shards_sum_to_the_whole():
 
 
 def test_nan_stays_in_its_token_and_zero_tokens():
-    x, _, _, weights, ids, fp8 = make_inputs(16, 256, 128, 4, 2, seed=8)
+    x, _, _, weights, ids, fp8 = make_fp8_inputs(16, 256, 128, 4, 2, seed=8)
     x[5, 3] = float("nan")
     out = fused_moe_fp8(x, *fp8, weights, ids)
     assert torch.isnan(out[5]).all()
@@ -182,7 +165,7 @@ def test_nan_stays_in_its_token_and_zero_tokens():
 
 
 def test_custom_op_is_the_reference_on_cpu_and_traceable():
-    x, _, _, weights, ids, fp8 = make_inputs(9, 128, 128, 4, 2, seed=9)
+    x, _, _, weights, ids, fp8 = make_fp8_inputs(9, 128, 128, 4, 2, seed=9)
     ref = fused_moe_fp8_reference(x, *fp8, weights, ids)
     assert torch.equal(torch.ops.mok_serve.fused_moe_fp8(x, *fp8, weights, ids, None, "silu", [128, 128]), ref)
     compiled = torch.compile(lambda *a: fused_moe_fp8(*a) * 2, fullgraph=True, backend="eager")
@@ -213,7 +196,7 @@ def _drop_last_scale_column(a):
     ],
 )
 def test_bad_input_raises_value_error(mutate, message):
-    x, _, _, weights, ids, (q13, q2, s13, s2) = make_inputs(6, 256, 128, 2, 2, seed=10)
+    x, _, _, weights, ids, (q13, q2, s13, s2) = make_fp8_inputs(6, 256, 128, 2, 2, seed=10)
     args = dict(x=x, q13=q13, q2=q2, s13=s13, s2=s2, ids=ids, expert_map=None, activation="silu", block=(128, 128))
     mutate(args)
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):

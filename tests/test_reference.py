@@ -4,25 +4,10 @@ import pytest
 import torch
 
 from mok_serve.kernels import fused_moe, fused_moe_reference, grouped_sigmoid_topk, softmax_topk
+from moe_test_utils import make_inputs, rel_err
 
 BF16_TOL = 1e-2
 TOL = {torch.bfloat16: BF16_TOL, torch.float16: 2e-3, torch.float32: 1e-5}
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not torch.isnan(out).any(), "NaN in output"
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
-def make_inputs(tokens, hidden, inter, experts, top_k, dtype=torch.bfloat16, seed=None, num_global=None):
-    g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
-    num_global = num_global or experts
-    x = torch.randn(tokens, hidden, generator=g).to(dtype)
-    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5).to(dtype)
-    w2 = (torch.randn(experts, hidden, inter, generator=g) / inter**0.5).to(dtype)
-    ids = torch.rand(tokens, num_global, generator=g).argsort(dim=1)[:, :top_k].to(torch.int32)
-    weights = torch.rand(tokens, top_k, generator=g)
-    return x, w13, w2, weights, ids
 
 
 def float64_moe(x, w13, w2, weights, ids, expert_map=None):

@@ -6,9 +6,6 @@ where the kernel writes them. The reference is ``fused_moe_fp8_reference`` on th
 on dequantized operands, one expert at a time).
 """
 
-import json
-import pathlib
-
 import pytest
 import torch
 
@@ -21,25 +18,16 @@ pytest.importorskip("triton")
 from mok_serve.kernels import fused_moe_fp8, fused_moe_fp8_reference  # noqa: E402
 from mok_serve.kernels.fp8 import quantize_fp8_blocks  # noqa: E402
 from mok_serve.kernels.triton_moe_fp8 import fused_moe_fp8_triton, pick_configs_fp8  # noqa: E402
-
-DEV = "cuda"
-SHAPES = json.loads((pathlib.Path(__file__).resolve().parents[1] / "configs" / "model_shapes.json").read_text())
-FAMILIES = [k for k in SHAPES if not k.startswith("_")]
-_WEIGHTS: dict = {}
-
-
-def fresh_seed() -> int:
-    seed = torch.seed() % 2**31
-    print(f"seed={seed}")
-    return seed
+from moe_test_utils import (  # noqa: E402
+    DEV, FAMILIES, SHAPES, cached_weights, fresh_seed, poisoned_call, rel_err, routing,
+)
 
 
 def weights_for(family):
     """(w13, w2, w13_scale, w2_scale) of a family: random bf16 experts quantized to FP8 16 experts
     at a time (one family cached at a time: up to 17 GB)."""
-    if family not in _WEIGHTS:
-        _WEIGHTS.clear()
-        torch.cuda.empty_cache()
+
+    def make():
         s = SHAPES[family]
         E, H, I = s["routed_experts"], s["hidden"], s["moe_intermediate"]
         g = torch.Generator(device=DEV).manual_seed(fresh_seed())
@@ -53,30 +41,9 @@ def weights_for(family):
             w13 = torch.randn(n, 2 * I, H, device=DEV, dtype=torch.bfloat16, generator=g) / H**0.5
             w2 = torch.randn(n, H, I, device=DEV, dtype=torch.bfloat16, generator=g) / I**0.5
             (q13[sl], s13[sl]), (q2[sl], s2[sl]) = quantize_fp8_blocks(w13), quantize_fp8_blocks(w2)
-        _WEIGHTS[family] = (q13, q2, s13, s2)
-    return _WEIGHTS[family]
+        return q13, q2, s13, s2
 
-
-def routing(tokens, experts, top_k, *, skewed=False, gen=None):
-    ids = torch.rand(tokens, experts, device=DEV, generator=gen).argsort(dim=1)[:, :top_k]
-    if skewed:  # half of all (token, k) assignments to expert 0 (duplicates within a token allowed)
-        flat = ids.reshape(-1)
-        pick = torch.randperm(flat.numel(), device=DEV, generator=gen)[: flat.numel() // 2]
-        flat[pick] = 0
-    w = torch.rand(tokens, top_k, device=DEV, generator=gen)
-    return w / w.sum(-1, keepdim=True), ids.to(torch.int32)
-
-
-def rel_err(out, ref):
-    assert not torch.isnan(out).any(), "NaN in output"
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-
-
-def poisoned_call(*args, **kw):
-    """Run the op with the caching allocator's next block of that size filled with NaN first."""
-    junk = torch.full_like(args[0], float("nan"))
-    del junk  # the kernel's `out` is likely to reuse this NaN-filled block
-    return fused_moe_fp8(*args, **kw)
+    return cached_weights(family, make)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -89,7 +56,7 @@ def test_every_family_against_dequantized_reference(family):
         for skewed in (False, True):
             x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16, generator=g)
             tw, ids = routing(tokens, E, top_k, skewed=skewed, gen=g)
-            out = poisoned_call(x, *fp8, tw, ids)
+            out = poisoned_call(fused_moe_fp8, x, *fp8, tw, ids)
             assert out.shape == x.shape and out.dtype == x.dtype
             err = rel_err(out, fused_moe_fp8_reference(x, *fp8, tw, ids))
             print(f"{family} T={tokens} skewed={skewed} rel_err={err:.2e}")
@@ -103,7 +70,7 @@ def test_deepseek_v3_token_counts():
     for tokens, skewed in ((1, False), (33, False), (512, True), (2048, False), (4096, True)):
         x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16, generator=g)
         tw, ids = routing(tokens, E, 8, skewed=skewed, gen=g)
-        err = rel_err(poisoned_call(x, *fp8, tw, ids), fused_moe_fp8_reference(x, *fp8, tw, ids))
+        err = rel_err(poisoned_call(fused_moe_fp8, x, *fp8, tw, ids), fused_moe_fp8_reference(x, *fp8, tw, ids))
         configs = pick_configs_fp8(tokens, 8, E, H, 2048)
         print(f"DeepSeek-V3 T={tokens} skewed={skewed} configs={configs} rel_err={err:.2e}")
         assert err <= 3e-2, (tokens, skewed, err)
@@ -180,7 +147,7 @@ def test_expert_map_with_remote_experts():
     for tokens in (1, 33, 700):
         x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16, generator=g)
         tw, ids = routing(tokens, num_global, 8, gen=g)
-        out = poisoned_call(x, *fp8, tw, ids, expert_map=expert_map)
+        out = poisoned_call(fused_moe_fp8, x, *fp8, tw, ids, expert_map=expert_map)
         assert rel_err(out, fused_moe_fp8_reference(x, *fp8, tw, ids, expert_map=expert_map)) <= 3e-2
     # A token routed only to remote experts is exactly zero.
     ids[0] = perm[local : local + 8].to(torch.int32)
@@ -234,5 +201,5 @@ def test_odd_shapes_not_multiples_of_128():
     for tokens in (1, 50, 300):
         x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16, generator=g)
         tw, ids = routing(tokens, E, 3, gen=g)
-        out = poisoned_call(x, *fp8, tw, ids)
+        out = poisoned_call(fused_moe_fp8, x, *fp8, tw, ids)
         assert rel_err(out, fused_moe_fp8_reference(x, *fp8, tw, ids)) <= 3e-2

@@ -19,28 +19,20 @@ triton = pytest.importorskip("triton")
 from mok_serve.kernels import fused_moe_fp8_reference  # noqa: E402
 from mok_serve.kernels import triton_moe as tm  # noqa: E402
 from mok_serve.kernels import triton_moe_fp8 as tf  # noqa: E402
-from mok_serve.kernels.fp8 import dequantize_fp8_groups, quantize_fp8_blocks, quantize_fp8_groups  # noqa: E402
+from mok_serve.kernels.fp8 import dequantize_fp8_groups, quantize_fp8_groups  # noqa: E402
+from moe_test_utils import make_fp8_inputs, rel_err  # noqa: E402
 
 if type(tf._fp8_gemm1_kernel).__name__ != "InterpretedFunction":
     tm = importlib.reload(tm)
     tf = importlib.reload(tf)
 
 
-def rel_err(out, ref):
-    assert not torch.isnan(out).any()
-    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
-
-
 def make(tokens, hidden, inter, experts, top_k, dtype=torch.bfloat16, seed=0, num_global=None, block=(128, 128)):
-    g = torch.Generator().manual_seed(seed)
-    num_global = num_global or experts
-    x = torch.randn(tokens, hidden, generator=g).to(dtype)
-    w13 = torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5
-    w2 = torch.randn(experts, hidden, inter, generator=g) / inter**0.5
-    (q13, s13), (q2, s2) = quantize_fp8_blocks(w13, block), quantize_fp8_blocks(w2, block)
-    ids = torch.rand(tokens, num_global, generator=g).argsort(dim=1)[:, :top_k].to(torch.int32)
-    weights = torch.rand(tokens, top_k, generator=g)
-    return x, (q13, q2, s13, s2), weights, ids
+    """(x, fp8 experts, weights, ids); the experts are quantized from float32."""
+    x, _, _, weights, ids, fp8 = make_fp8_inputs(
+        tokens, hidden, inter, experts, top_k, dtype, seed, num_global, block, weight_dtype=torch.float32
+    )
+    return x, fp8, weights, ids
 
 
 def test_quantize_pass_is_the_torch_quantization_bit_for_bit():

@@ -4,8 +4,6 @@ Run with ``pytest -m gpu``; skipped without CUDA. Every check draws fresh random
 is printed so a failure can be replayed) and poisons outputs where the kernel writes them.
 """
 
-import json
-import pathlib
 import types
 
 import pytest
@@ -20,42 +18,23 @@ pytest.importorskip("triton")
 
 from mok_serve.kernels import fused_moe  # noqa: E402
 from mok_serve.kernels.triton_moe import fused_moe_triton, pick_configs  # noqa: E402
-
-DEV = "cuda"
-SHAPES = json.loads((pathlib.Path(__file__).resolve().parents[1] / "configs" / "model_shapes.json").read_text())
-FAMILIES = [k for k in SHAPES if not k.startswith("_")]
-_WEIGHTS: dict = {}
-
-
-def fresh_seed() -> int:
-    seed = torch.seed() % 2**31
-    print(f"seed={seed}")
-    return seed
+from moe_test_utils import (  # noqa: E402
+    DEV, FAMILIES, SHAPES, cached_weights, fresh_seed, poisoned_call, rel_err, routing,
+)
 
 
 def weights_for(family, dtype=torch.bfloat16):
     """Full-size expert weights of a family (one family cached at a time: up to 34 GB)."""
-    key = (family, dtype)
-    if key not in _WEIGHTS:
-        _WEIGHTS.clear()
-        torch.cuda.empty_cache()
+
+    def make():
         s = SHAPES[family]
         E, H, I = s["routed_experts"], s["hidden"], s["moe_intermediate"]
         g = torch.Generator(device=DEV).manual_seed(fresh_seed())
         w13 = torch.randn(E, 2 * I, H, device=DEV, dtype=dtype, generator=g) / H**0.5
         w2 = torch.randn(E, H, I, device=DEV, dtype=dtype, generator=g) / I**0.5
-        _WEIGHTS[key] = (w13, w2)
-    return _WEIGHTS[key]
+        return w13, w2
 
-
-def routing(tokens, experts, top_k, *, skewed=False, gen=None):
-    ids = torch.rand(tokens, experts, device=DEV, generator=gen).argsort(dim=1)[:, :top_k]
-    if skewed:  # half of all (token, k) assignments to expert 0 (duplicates within a token allowed)
-        flat = ids.reshape(-1)
-        pick = torch.randperm(flat.numel(), device=DEV, generator=gen)[: flat.numel() // 2]
-        flat[pick] = 0
-    w = torch.rand(tokens, top_k, device=DEV, generator=gen)
-    return w / w.sum(-1, keepdim=True), ids.to(torch.int32)
+    return cached_weights((family, dtype), make)
 
 
 def ref_fp32(x, w13, w2, tw, ids, expert_map=None):
@@ -77,19 +56,6 @@ def ref_fp32(x, w13, w2, tw, ids, expert_map=None):
     return (y * tw.float().unsqueeze(-1)).sum(1)
 
 
-def rel_err(out, ref):
-    assert not torch.isnan(out).any(), "NaN in output"
-    return ((out.float() - ref).norm() / ref.norm()).item()
-
-
-def poisoned_call(*args, **kw):
-    """Run the op with the caching allocator's next block of that size filled with NaN first."""
-    x = args[0]
-    junk = torch.full_like(x, float("nan"))
-    del junk  # the kernel's `out` is likely to reuse this NaN-filled block
-    return fused_moe(*args, **kw)
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_against_fp32_reference(family):
     w13, w2 = weights_for(family)
@@ -100,7 +66,7 @@ def test_every_family_against_fp32_reference(family):
         for skewed in (False, True):
             x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16, generator=g)
             tw, ids = routing(tokens, E, top_k, skewed=skewed, gen=g)
-            out = poisoned_call(x, w13, w2, tw, ids)
+            out = poisoned_call(fused_moe, x, w13, w2, tw, ids)
             assert out.shape == x.shape and out.dtype == x.dtype
             err = rel_err(out, ref_fp32(x, w13, w2, tw, ids))
             print(f"{family} T={tokens} skewed={skewed} rel_err={err:.2e}")
@@ -175,7 +141,7 @@ def test_expert_map_with_remote_experts():
     for tokens in (1, 33, 700):
         x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16, generator=g)
         tw, ids = routing(tokens, num_global, 8, gen=g)
-        out = poisoned_call(x, w13, w2, tw, ids, expert_map=expert_map)
+        out = poisoned_call(fused_moe, x, w13, w2, tw, ids, expert_map=expert_map)
         assert rel_err(out, ref_fp32(x, w13, w2, tw, ids, expert_map)) <= 1e-2
     # A token routed only to remote experts is exactly zero.
     remote = perm[local : local + 8].to(torch.int32)

@@ -17,27 +17,12 @@ triton = pytest.importorskip("triton")
 
 from mok_serve.kernels import fused_moe_reference  # noqa: E402
 from mok_serve.kernels import triton_moe as tm  # noqa: E402
+from moe_test_utils import make_inputs, rel_err  # noqa: E402
 
 if not hasattr(tm._moe_gemm1_kernel, "fn") or type(tm._moe_gemm1_kernel).__name__ != "InterpretedFunction":
     import importlib
 
     tm = importlib.reload(tm)
-
-
-def rel_err(out, ref):
-    assert not torch.isnan(out).any()
-    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
-
-
-def make(tokens, hidden, inter, experts, top_k, dtype, seed, num_global=None):
-    g = torch.Generator().manual_seed(seed)
-    num_global = num_global or experts
-    x = torch.randn(tokens, hidden, generator=g).to(dtype)
-    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5).to(dtype)
-    w2 = (torch.randn(experts, hidden, inter, generator=g) / inter**0.5).to(dtype)
-    ids = torch.rand(tokens, num_global, generator=g).argsort(dim=1)[:, :top_k].to(torch.int32)
-    weights = torch.rand(tokens, top_k, generator=g)
-    return x, w13, w2, weights, ids
 
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -49,7 +34,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matches_reference(tokens, hidden, inter, experts, top_k, dtype):
-    x, w13, w2, weights, ids = make(tokens, hidden, inter, experts, top_k, dtype, seed=tokens * 7 + hidden)
+    x, w13, w2, weights, ids = make_inputs(tokens, hidden, inter, experts, top_k, dtype, seed=tokens * 7 + hidden)
     out = tm.fused_moe_triton(x, w13, w2, weights, ids)
     ref = fused_moe_reference(x, w13, w2, weights, ids)
     assert out.dtype == dtype and out.shape == x.shape
@@ -74,7 +59,7 @@ def test_schedule_positions_are_prefix_sums_in_token_order():
 
 def test_expert_map_and_duplicates():
     tokens, hidden, inter, local, top_k, num_global = 9, 32, 16, 3, 4, 8
-    x, w13, w2, weights, _ = make(tokens, hidden, inter, local, top_k, torch.float32, seed=11)
+    x, w13, w2, weights, _ = make_inputs(tokens, hidden, inter, local, top_k, torch.float32, seed=11)
     g = torch.Generator().manual_seed(12)
     ids = torch.randint(0, num_global, (tokens, top_k), generator=g, dtype=torch.int64)  # duplicates allowed
     expert_map = torch.tensor([-1, 0, -1, 2, 1, -1, -1, 0], dtype=torch.int32)
@@ -88,7 +73,7 @@ def test_expert_map_and_duplicates():
 
 
 def test_strided_int64_ids_and_bf16_weights():
-    x, w13, w2, weights, ids = make(6, 32, 16, 4, 2, torch.float32, seed=5)
+    x, w13, w2, weights, ids = make_inputs(6, 32, 16, 4, 2, torch.float32, seed=5)
     ids_t = ids.long().t().contiguous().t()  # non-contiguous view, int64
     w_t = weights.to(torch.bfloat16).t().contiguous().t()
     out = tm.fused_moe_triton(x, w13, w2, w_t, ids_t)
@@ -109,7 +94,7 @@ def test_strided_int64_ids_and_bf16_weights():
     ],
 )
 def test_tile_configs_agree(cfg):
-    x, w13, w2, weights, ids = make(40, 48, 24, 4, 2, torch.float32, seed=9)
+    x, w13, w2, weights, ids = make_inputs(40, 48, 24, 4, 2, torch.float32, seed=9)
     g1, g2 = ({**c, "num_warps": 4, "num_stages": 2} for c in cfg)
     out = tm.fused_moe_triton(x, w13, w2, weights, ids, _configs=(g1, g2))
     ref = fused_moe_reference(x, w13, w2, weights, ids)
@@ -117,7 +102,7 @@ def test_tile_configs_agree(cfg):
 
 
 def test_out_of_range_ids_raise_eagerly_and_are_masked_in_kernels(monkeypatch):
-    x, w13, w2, weights, ids = make(4, 32, 16, 4, 2, torch.float32, seed=1)
+    x, w13, w2, weights, ids = make_inputs(4, 32, 16, 4, 2, torch.float32, seed=1)
     bad = ids.clone()
     bad[1, 0] = 4
     bad[2, 1] = -3
@@ -135,7 +120,7 @@ def test_out_of_range_ids_raise_eagerly_and_are_masked_in_kernels(monkeypatch):
 
 
 def test_nan_stays_in_its_token():
-    x, w13, w2, weights, ids = make(12, 32, 16, 3, 2, torch.float32, seed=2)
+    x, w13, w2, weights, ids = make_inputs(12, 32, 16, 3, 2, torch.float32, seed=2)
     x[5, 3] = float("nan")
     out = tm.fused_moe_triton(x, w13, w2, weights, ids)
     assert torch.isnan(out[5]).all()

@@ -1,0 +1,81 @@
+"""Helpers shared by the MoE kernel tests: random inputs, relative error, and for the GPU tests the
+model shapes, fresh seeds, routings, a one-family weight cache and NaN-poisoned calls."""
+
+import json
+import pathlib
+
+import torch
+
+SHAPES = json.loads((pathlib.Path(__file__).resolve().parents[1] / "configs" / "model_shapes.json").read_text())
+FAMILIES = [k for k in SHAPES if not k.startswith("_")]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; fails on a NaN in ``out``."""
+    assert not torch.isnan(out).any(), "NaN in output"
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def make_inputs(tokens, hidden, inter, experts, top_k, dtype=torch.bfloat16, seed=None, num_global=None,
+                weight_dtype=None):
+    """(x, w13, w2, weights, ids) on the CPU: x in ``dtype``, experts in ``weight_dtype`` (default
+    ``dtype``), ids over ``num_global`` experts (default ``experts``); ``seed`` None draws one."""
+    g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    num_global = num_global or experts
+    weight_dtype = weight_dtype or dtype
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5).to(weight_dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=g) / inter**0.5).to(weight_dtype)
+    ids = torch.rand(tokens, num_global, generator=g).argsort(dim=1)[:, :top_k].to(torch.int32)
+    weights = torch.rand(tokens, top_k, generator=g)
+    return x, w13, w2, weights, ids
+
+
+def make_fp8_inputs(tokens, hidden, inter, experts, top_k, dtype=torch.bfloat16, seed=0, num_global=None,
+                    block=(128, 128), weight_dtype=None):
+    """``make_inputs`` and the experts' FP8 quantization: (x, w13, w2, weights, ids, (q13, q2, s13, s2))."""
+    from mok_serve.kernels.fp8 import quantize_fp8_blocks
+
+    x, w13, w2, weights, ids = make_inputs(tokens, hidden, inter, experts, top_k, dtype, seed, num_global, weight_dtype)
+    (q13, s13), (q2, s2) = quantize_fp8_blocks(w13, block), quantize_fp8_blocks(w2, block)
+    return x, w13, w2, weights, ids, (q13, q2, s13, s2)
+
+
+# --------------------------------------------------------------------------------- GPU tests
+
+DEV = "cuda"
+_WEIGHTS: dict = {}
+
+
+def fresh_seed() -> int:
+    seed = torch.seed() % 2**31
+    print(f"seed={seed}")
+    return seed
+
+
+def cached_weights(key, make):
+    """``make()``, cached under ``key``; one key at a time (a family's full-size experts take up to
+    34 GB), shared by every test module."""
+    if key not in _WEIGHTS:
+        _WEIGHTS.clear()
+        torch.cuda.empty_cache()
+        _WEIGHTS[key] = make()
+    return _WEIGHTS[key]
+
+
+def routing(tokens, experts, top_k, *, skewed=False, gen=None):
+    ids = torch.rand(tokens, experts, device=DEV, generator=gen).argsort(dim=1)[:, :top_k]
+    if skewed:  # half of all (token, k) assignments to expert 0 (duplicates within a token allowed)
+        flat = ids.reshape(-1)
+        pick = torch.randperm(flat.numel(), device=DEV, generator=gen)[: flat.numel() // 2]
+        flat[pick] = 0
+    w = torch.rand(tokens, top_k, device=DEV, generator=gen)
+    return w / w.sum(-1, keepdim=True), ids.to(torch.int32)
+
+
+def poisoned_call(op, *args, **kw):
+    """``op(*args, **kw)`` with the caching allocator's next block of the output's size filled
+    with NaN first."""
+    junk = torch.full_like(args[0], float("nan"))
+    del junk  # the kernel's `out` is likely to reuse this NaN-filled block
+    return op(*args, **kw)
