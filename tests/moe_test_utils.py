@@ -79,3 +79,75 @@ def poisoned_call(op, *args, **kw):
     junk = torch.full_like(args[0], float("nan"))
     del junk  # the kernel's `out` is likely to reuse this NaN-filled block
     return op(*args, **kw)
+
+
+# One-GPU checks run alike on bf16 experts (w13, w2) and FP8 ones (q13, q2, s13, s2): ``op`` is
+# ``fused_moe`` or ``fused_moe_fp8``, called as ``op(x, *experts, topk_weights, topk_ids)``.
+
+
+def _sizes(experts):
+    """(experts, hidden, intermediate) of an experts tuple."""
+    return experts[0].shape[0], experts[0].shape[2], experts[1].shape[2]
+
+
+def check_batch_invariant(op, experts, configs, label):
+    """A token alone equals itself at the start, middle and end of batches of 7, 128 and 4096
+    tokens, bit for bit, and every call repeats bitwise; ``configs(tokens, top_k, E, H, I)`` (the
+    tile configs) goes into a failure's message."""
+    E, H, I = _sizes(experts)
+    g = torch.Generator(device=DEV).manual_seed(fresh_seed())
+    x1 = torch.randn(1, H, device=DEV, dtype=torch.bfloat16, generator=g)
+    tw1, ids1 = routing(1, E, 8, gen=g)
+    alone = op(x1, *experts, tw1, ids1)
+    assert torch.equal(alone, op(x1, *experts, tw1, ids1))
+    for batch in (7, 128, 4096):
+        x = torch.randn(batch, H, device=DEV, dtype=torch.bfloat16, generator=g)
+        tw, ids = routing(batch, E, 8, gen=g)
+        for pos in (0, batch // 2, batch - 1):
+            xb, twb, idsb = x.clone(), tw.clone(), ids.clone()
+            xb[pos], twb[pos], idsb[pos] = x1[0], tw1[0], ids1[0]
+            out = op(xb, *experts, twb, idsb)
+            assert torch.equal(out[pos], alone[0]), (label, batch, pos, configs(batch, 8, E, H, I))
+        again = op(xb, *experts, twb, idsb)
+        assert torch.equal(out, again), (label, batch, "not repeatable")
+
+
+def check_graph_replay(op, experts):
+    """Captured in a CUDA graph at 1, 64 and 2048 tokens, replays on new inputs (uniform, then
+    skewed routing) equal the eager call bitwise."""
+    E, H, _ = _sizes(experts)
+    g = torch.Generator(device=DEV).manual_seed(fresh_seed())
+    for tokens in (1, 64, 2048):
+        x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16, generator=g)
+        tw, ids = routing(tokens, E, 8, gen=g)
+        op(x, *experts, tw, ids)  # warm up (compile) outside the capture
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            op(x, *experts, tw, ids)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = op(x, *experts, tw, ids)
+        for skewed in (False, True):
+            x.copy_(torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16, generator=g))
+            tw_new, ids_new = routing(tokens, E, 8, skewed=skewed, gen=g)
+            tw.copy_(tw_new)
+            ids.copy_(ids_new)
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, op(x, *experts, tw, ids)), (tokens, skewed)
+
+
+def check_nan_stays_in_its_token(op, experts):
+    """A NaN in token 2's input makes all of token 2's output NaN and no other token's."""
+    E, H, _ = _sizes(experts)
+    g = torch.Generator(device=DEV).manual_seed(fresh_seed())
+    for tokens in (5, 600):
+        x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16, generator=g)
+        tw, ids = routing(tokens, E, 8, skewed=True, gen=g)
+        x[2, 17] = float("nan")
+        out = op(x, *experts, tw, ids)
+        assert torch.isnan(out[2]).all()
+        assert not torch.isnan(torch.cat([out[:2], out[3:]])).any()

@@ -19,7 +19,8 @@ from mok_serve.kernels import fused_moe_fp8, fused_moe_fp8_reference  # noqa: E4
 from mok_serve.kernels.fp8 import quantize_fp8_blocks  # noqa: E402
 from mok_serve.kernels.triton_moe_fp8 import fused_moe_fp8_triton, pick_configs_fp8  # noqa: E402
 from moe_test_utils import (  # noqa: E402
-    DEV, FAMILIES, SHAPES, cached_weights, fresh_seed, poisoned_call, rel_err, routing,
+    DEV, FAMILIES, SHAPES, cached_weights, check_batch_invariant, check_graph_replay, check_nan_stays_in_its_token,
+    fresh_seed, poisoned_call, rel_err, routing,
 )
 
 
@@ -90,50 +91,11 @@ def test_fp16_int64_ids_and_strided_weights():
 
 def test_bitwise_repeatable_and_batch_invariant():
     for family in ("DeepSeek-V3", "Qwen3-30B-A3B"):
-        fp8 = weights_for(family)
-        E, H, I = fp8[0].shape[0], fp8[0].shape[2], fp8[1].shape[2]
-        g = torch.Generator(device=DEV).manual_seed(fresh_seed())
-        x1 = torch.randn(1, H, device=DEV, dtype=torch.bfloat16, generator=g)
-        tw1, ids1 = routing(1, E, 8, gen=g)
-        alone = fused_moe_fp8(x1, *fp8, tw1, ids1)
-        assert torch.equal(alone, fused_moe_fp8(x1, *fp8, tw1, ids1))
-        for batch in (7, 128, 4096):
-            x = torch.randn(batch, H, device=DEV, dtype=torch.bfloat16, generator=g)
-            tw, ids = routing(batch, E, 8, gen=g)
-            for pos in (0, batch // 2, batch - 1):
-                xb, twb, idsb = x.clone(), tw.clone(), ids.clone()
-                xb[pos], twb[pos], idsb[pos] = x1[0], tw1[0], ids1[0]
-                out = fused_moe_fp8(xb, *fp8, twb, idsb)
-                assert torch.equal(out[pos], alone[0]), (family, batch, pos, pick_configs_fp8(batch, 8, E, H, I))
-            again = fused_moe_fp8(xb, *fp8, twb, idsb)
-            assert torch.equal(out, again), (family, batch, "not repeatable")
+        check_batch_invariant(fused_moe_fp8, weights_for(family), pick_configs_fp8, family)
 
 
 def test_cuda_graph_capture_and_replay_with_new_data():
-    fp8 = weights_for("Qwen3-30B-A3B")
-    E, H = fp8[0].shape[0], fp8[0].shape[2]
-    g = torch.Generator(device=DEV).manual_seed(fresh_seed())
-    for tokens in (1, 64, 2048):
-        x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16, generator=g)
-        tw, ids = routing(tokens, E, 8, gen=g)
-        fused_moe_fp8(x, *fp8, tw, ids)  # warm up (compile) outside the capture
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fused_moe_fp8(x, *fp8, tw, ids)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fused_moe_fp8(x, *fp8, tw, ids)
-        for skewed in (False, True):
-            x.copy_(torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16, generator=g))
-            tw_new, ids_new = routing(tokens, E, 8, skewed=skewed, gen=g)
-            tw.copy_(tw_new)
-            ids.copy_(ids_new)
-            out.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, fused_moe_fp8(x, *fp8, tw, ids)), (tokens, skewed)
+    check_graph_replay(fused_moe_fp8, weights_for("Qwen3-30B-A3B"))
 
 
 def test_expert_map_with_remote_experts():
@@ -179,16 +141,7 @@ def test_out_of_range_ids_raise_eagerly_and_stay_in_bounds_under_capture():
 
 
 def test_nan_stays_in_its_token():
-    fp8 = weights_for("Qwen3-235B-A22B")
-    E, H = fp8[0].shape[0], fp8[0].shape[2]
-    g = torch.Generator(device=DEV).manual_seed(fresh_seed())
-    for tokens in (5, 600):
-        x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16, generator=g)
-        tw, ids = routing(tokens, E, 8, skewed=True, gen=g)
-        x[2, 17] = float("nan")
-        out = fused_moe_fp8(x, *fp8, tw, ids)
-        assert torch.isnan(out[2]).all()
-        assert not torch.isnan(torch.cat([out[:2], out[3:]])).any()
+    check_nan_stays_in_its_token(fused_moe_fp8, weights_for("Qwen3-235B-A22B"))
 
 
 def test_odd_shapes_not_multiples_of_128():

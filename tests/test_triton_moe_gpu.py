@@ -19,7 +19,8 @@ pytest.importorskip("triton")
 from mok_serve.kernels import fused_moe  # noqa: E402
 from mok_serve.kernels.triton_moe import fused_moe_triton, pick_configs  # noqa: E402
 from moe_test_utils import (  # noqa: E402
-    DEV, FAMILIES, SHAPES, cached_weights, fresh_seed, poisoned_call, rel_err, routing,
+    DEV, FAMILIES, SHAPES, cached_weights, check_batch_invariant, check_graph_replay, check_nan_stays_in_its_token,
+    fresh_seed, poisoned_call, rel_err, routing,
 )
 
 
@@ -84,50 +85,11 @@ def test_fp16_and_int64_ids():
 
 def test_bitwise_repeatable_and_batch_invariant():
     for family in ("DeepSeek-V3", "Qwen3-30B-A3B"):
-        w13, w2 = weights_for(family)
-        E, H = w13.shape[0], w13.shape[2]
-        g = torch.Generator(device=DEV).manual_seed(fresh_seed())
-        x1 = torch.randn(1, H, device=DEV, dtype=torch.bfloat16, generator=g)
-        tw1, ids1 = routing(1, E, 8, gen=g)
-        alone = fused_moe(x1, w13, w2, tw1, ids1)
-        assert torch.equal(alone, fused_moe(x1, w13, w2, tw1, ids1))
-        for batch in (7, 128, 4096):
-            x = torch.randn(batch, H, device=DEV, dtype=torch.bfloat16, generator=g)
-            tw, ids = routing(batch, E, 8, gen=g)
-            for pos in (0, batch // 2, batch - 1):
-                xb, twb, idsb = x.clone(), tw.clone(), ids.clone()
-                xb[pos], twb[pos], idsb[pos] = x1[0], tw1[0], ids1[0]
-                out = fused_moe(xb, w13, w2, twb, idsb)
-                assert torch.equal(out[pos], alone[0]), (family, batch, pos, pick_configs(batch, 8, E, H, w2.shape[2]))
-            again = fused_moe(xb, w13, w2, twb, idsb)
-            assert torch.equal(out, again), (family, batch, "not repeatable")
+        check_batch_invariant(fused_moe, weights_for(family), pick_configs, family)
 
 
 def test_cuda_graph_capture_and_replay_with_new_data():
-    w13, w2 = weights_for("Qwen3-30B-A3B")
-    E, H = w13.shape[0], w13.shape[2]
-    g = torch.Generator(device=DEV).manual_seed(fresh_seed())
-    for tokens in (1, 64, 2048):
-        x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16, generator=g)
-        tw, ids = routing(tokens, E, 8, gen=g)
-        fused_moe(x, w13, w2, tw, ids)  # warm up (compile) outside the capture
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fused_moe(x, w13, w2, tw, ids)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fused_moe(x, w13, w2, tw, ids)
-        for skewed in (False, True):
-            x.copy_(torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16, generator=g))
-            tw_new, ids_new = routing(tokens, E, 8, skewed=skewed, gen=g)
-            tw.copy_(tw_new)
-            ids.copy_(ids_new)
-            out.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, fused_moe(x, w13, w2, tw, ids)), (tokens, skewed)
+    check_graph_replay(fused_moe, weights_for("Qwen3-30B-A3B"))
 
 
 def test_expert_map_with_remote_experts():
@@ -174,16 +136,7 @@ def test_out_of_range_ids_raise_eagerly_and_stay_in_bounds_under_capture():
 
 
 def test_nan_stays_in_its_token():
-    w13, w2 = weights_for("Qwen3-235B-A22B")
-    E, H = w13.shape[0], w13.shape[2]
-    g = torch.Generator(device=DEV).manual_seed(fresh_seed())
-    for tokens in (5, 600):
-        x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16, generator=g)
-        tw, ids = routing(tokens, E, 8, skewed=True, gen=g)
-        x[2, 17] = float("nan")
-        out = fused_moe(x, w13, w2, tw, ids)
-        assert torch.isnan(out[2]).all()
-        assert not torch.isnan(torch.cat([out[:2], out[3:]])).any()
+    check_nan_stays_in_its_token(fused_moe, weights_for("Qwen3-235B-A22B"))
 
 
 # --------------------------------------------------------------------------- model level
