@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .cpu_moe import combine_topk, expert_rows
+from .fp8 import BLOCK_SHAPE, check_fused_moe_fp8_args, fp8_expert_rows
 from .reference import check_fused_moe_args
 
 POSTED, COMPUTED, NUM_TOKENS = 0, 1, 2
@@ -191,8 +192,41 @@ class SharedMemoryEPWorkspace:
         layer: str = "?",
     ) -> torch.Tensor:
         """This rank's tokens through the experts of every rank: ``[T, H]``, as ``fused_moe``."""
-        expert_map = self.placement.expert_map(self.rank)
-        check_fused_moe_args(hidden_states, w13, w2, topk_weights, topk_ids, expert_map, "silu")
+        check_fused_moe_args(
+            hidden_states, w13, w2, topk_weights, topk_ids, self.placement.expert_map(self.rank), "silu"
+        )
+
+        def run_rows(x, row_token, row_expert):
+            return expert_rows(x, row_token, row_expert, w13, w2)
+
+        return self._call(hidden_states, topk_weights, topk_ids, run_rows, layer)
+
+    def fused_moe_fp8(
+        self,
+        hidden_states: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        w13_scale: torch.Tensor,
+        w2_scale: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        *,
+        block_shape=BLOCK_SHAPE,
+        layer: str = "?",
+    ) -> torch.Tensor:
+        """``fused_moe`` with block-scaled FP8 experts, as ``fused_moe_fp8``. Token rows travel in the
+        activation dtype and are quantized (per token, so exactly as on one rank) where they run."""
+        block = check_fused_moe_fp8_args(
+            hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
+            self.placement.expert_map(self.rank), "silu", block_shape,
+        )  # fmt: skip
+
+        def run_rows(x, row_token, row_expert):
+            return fp8_expert_rows(x, row_token, row_expert, w13, w2, w13_scale, w2_scale, block)
+
+        return self._call(hidden_states, topk_weights, topk_ids, run_rows, layer)
+
+    def _call(self, hidden_states, topk_weights, topk_ids, run_rows, layer: str) -> torch.Tensor:
         tokens = hidden_states.shape[0]
         if tokens > self.max_tokens or hidden_states.shape[1] != self.hidden or topk_ids.shape[1] != self.top_k:
             raise ValueError(
@@ -239,7 +273,7 @@ class SharedMemoryEPWorkspace:
                 [self.segments[s].x[pulled_token[pulled_source == s]] for s in range(self.world_size)]
             )
         local_expert = self.placement.local[row_expert[owned]].long()
-        me.y[: int(owned.sum())] = expert_rows(pulled, row_of_token, local_expert, w13, w2)
+        me.y[: int(owned.sum())] = run_rows(pulled, row_of_token, local_expert)
         me.flags[COMPUTED] = epoch
         self._wait_for_peers(COMPUTED, epoch, "finish its experts", layer)
 

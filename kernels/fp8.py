@@ -168,19 +168,41 @@ def fused_moe_fp8_reference(
     block = check_fused_moe_fp8_args(
         hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, expert_map, activation, block_shape
     )
-    dtype = hidden_states.dtype
     tokens, hidden = hidden_states.shape
     top_k = topk_ids.shape[1]
-    x = dequantize_fp8_groups(*quantize_fp8_groups(hidden_states, block[1]), block[1])
-    row_expert = local_expert_ids(topk_ids, expert_map)
-    y = torch.zeros(tokens * top_k, hidden, dtype=dtype, device=hidden_states.device)
+    row_token = torch.arange(tokens * top_k, device=hidden_states.device) // top_k
+    rows = fp8_expert_rows(
+        hidden_states, row_token, local_expert_ids(topk_ids, expert_map), w13, w2, w13_scale, w2_scale, block
+    )
+    return combine_topk(rows.view(tokens, top_k, hidden), topk_weights).to(hidden_states.dtype)
+
+
+def fp8_expert_rows(
+    x: torch.Tensor,
+    row_token: torch.Tensor,
+    row_expert: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    block: tuple[int, int] = BLOCK_SHAPE,
+) -> torch.Tensor:
+    """Expert output of each row (``[rows, H]`` in x's dtype; zero where the expert is -1): row i
+    is ``x[row_token[i]]``, quantized per 1 x 128 group, through local expert ``row_expert[i]``.
+
+    One expert at a time (its weights dequantized to fp32 only while it runs); a row's result
+    depends on that row alone, so callers may pass rows in any order (expert parallelism does).
+    """
+    dtype = x.dtype
+    xq = dequantize_fp8_groups(*quantize_fp8_groups(x, block[1]), block[1])
+    y = torch.zeros(row_token.numel(), x.shape[1], dtype=dtype, device=x.device)
     for e in row_expert.unique().tolist():
         if e < 0:
             continue
-        rows = (row_expert == e).nonzero().squeeze(1)  # in (token, k) order
-        gate_up = _rows_mm(x[rows // top_k], dequantize_fp8_blocks(w13[e], w13_scale[e], block))
+        rows = (row_expert == e).nonzero().squeeze(1)
+        gate_up = _rows_mm(xq[row_token[rows]], dequantize_fp8_blocks(w13[e], w13_scale[e], block))
         gate, up = gate_up.to(dtype).float().chunk(2, dim=-1)
         act = (F.silu(gate) * up).to(dtype)
         act = dequantize_fp8_groups(*quantize_fp8_groups(act, block[1]), block[1])
         y[rows] = _rows_mm(act, dequantize_fp8_blocks(w2[e], w2_scale[e], block)).to(dtype)
-    return combine_topk(y.view(tokens, top_k, hidden), topk_weights).to(dtype)
+    return y

@@ -43,9 +43,7 @@ def _reject_unsupported_quantization() -> None:
         if self.moe_backend != KITTENS or model_config is None:
             return
         error = kittens_quantization_error(
-            model_config.quantization,
-            model_config.model_arch_config.quantization_config,
-            vllm_config.parallel_config,
+            model_config.quantization, model_config.model_arch_config.quantization_config
         )
         if error:
             raise ValueError(error)

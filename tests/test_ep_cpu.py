@@ -78,6 +78,38 @@ def scenario_distinct(rank, world):
         ws.close()
 
 
+def scenario_fp8(rank, world):
+    """Block-FP8 experts: EP (distinct and replicated tokens) equals one-rank fused_moe_fp8 bitwise."""
+    from mok_serve.kernels import fused_moe_fp8
+    from mok_serve.kernels.fp8 import quantize_fp8_blocks
+
+    num_experts, hidden, inter = 8, 256, 128  # whole 128 x 128 blocks and one partial group row
+    g = torch.Generator().manual_seed(300)
+    w13, s13 = quantize_fp8_blocks((torch.randn(num_experts, 2 * inter, hidden, generator=g) / 16).bfloat16())
+    w2, s2 = quantize_fp8_blocks((torch.randn(num_experts, hidden, inter, generator=g) / 11).bfloat16())
+    placement = ExpertPlacement.linear(num_experts, world)
+    mine_e = (placement.owner == rank).nonzero().flatten()
+    order = mine_e[placement.local[mine_e].argsort()]
+    for replicated in (False, True):
+        ws = SharedMemoryEPWorkspace(
+            dist.group.WORLD, max_tokens_per_rank=MAX_TOKENS, hidden_size=hidden, top_k=TOP_K,
+            dtype=torch.bfloat16, placement=placement, replicated_tokens=replicated, timeout_s=60.0,
+        )  # fmt: skip
+        try:
+            counts = [11] * world if replicated else [7, 0, 19][:world]
+            total = counts[0] if replicated else sum(counts)
+            x = torch.randn(total, hidden, generator=g).bfloat16()
+            ids = torch.rand(total, num_experts, generator=g).argsort(dim=1)[:, :TOP_K].to(torch.int32)
+            weights = torch.rand(total, TOP_K, generator=g)
+            expected = fused_moe_fp8(x, w13, w2, s13, s2, weights, ids)
+            start = 0 if replicated else sum(counts[:rank])
+            mine = slice(start, start + counts[rank])
+            out = ws.fused_moe_fp8(x[mine], w13[order], w2[order], s13[order], s2[order], weights[mine], ids[mine])
+            assert torch.equal(out, expected[mine]), f"FP8 EP={world} (replicated={replicated}) differs from one rank"
+        finally:
+            ws.close()
+
+
 def scenario_replicated(rank, world):
     num_experts = 8
     ws, placement = _workspace(world, num_experts, replicated=True)
@@ -123,6 +155,10 @@ def scenario_killed_peer(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_expert_parallel_equals_one_rank_bitwise(world):
     run_ranks(scenario_distinct, world)
+
+
+def test_fp8_expert_parallel_equals_one_rank_bitwise():
+    run_ranks(scenario_fp8, 2)
 
 
 def test_replicated_tokens_tensor_parallel_mode():

@@ -62,25 +62,19 @@ BLOCK_FP8 = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation
     ],
 )
 def test_unsupported_quantization_is_named_with_what_is_supported(quantization, quant_cfg, expected):
-    from vllm.config import ParallelConfig
-
     from mok_serve.vllm.experts_fp8 import kittens_quantization_error
 
-    error = kittens_quantization_error(quantization, quant_cfg, ParallelConfig())
+    error = kittens_quantization_error(quantization, quant_cfg)
     assert expected in error
     assert "block-FP8 checkpoints (quant_method 'fp8', weight_block_size [128, 128]" in error
     assert error.endswith("Serve it without --moe-backend kittens.")
 
 
-def test_block_fp8_and_unquantized_are_accepted_without_expert_parallel():
-    from vllm.config import ParallelConfig
-
+def test_block_fp8_and_unquantized_are_accepted():
     from mok_serve.vllm.experts_fp8 import kittens_quantization_error
 
-    assert kittens_quantization_error(None, None, ParallelConfig()) is None
-    assert kittens_quantization_error("fp8", BLOCK_FP8, ParallelConfig()) is None
-    ep = ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True)
-    assert "block-FP8 MoE layers under expert parallelism" in kittens_quantization_error("fp8", BLOCK_FP8, ep)
+    assert kittens_quantization_error(None, None) is None
+    assert kittens_quantization_error("fp8", BLOCK_FP8) is None
 
 
 @pytest.fixture

@@ -188,6 +188,16 @@ def test_block_fp8_model_served_by_kittens(family, tmp_path):
         assert greedy_all(stock) == ours
 
 
+def test_block_fp8_tensor_parallel_2_expert_parallel_equals_tp1(fp8_model):
+    with ServerProcess([str(fp8_model), *COMMON]) as tp1:
+        expected = greedy_all(tp1)
+    with ServerProcess([str(fp8_model), "--tensor-parallel-size", "2", "--enable-expert-parallel", *COMMON]) as tp2:
+        assert greedy_all(tp2) == expected
+        log = tp2.log()
+        assert FP8_LINE in log
+        assert "kittens EP: rank 0 of 2 dispatches and combines over shared memory (replicated tokens)" in log
+
+
 def test_stock_backend_cannot_run_block_fp8_on_this_cpu(fp8_model):
     """vLLM 0.32's CPU FP8 MoE experts need AMX (CPUExpertsFp8: AMX tiles; CPUExpertsFp8W8A8:
     AMX-FP8); without them its FP8 oracle finds no backend and loading fails."""

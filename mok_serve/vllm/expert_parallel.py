@@ -63,20 +63,26 @@ def configure(max_tokens_per_rank: int, replicated_tokens: bool) -> None:
     _Workspace.replicated = replicated_tokens
 
 
-def _workspace(hidden_states, topk_ids, expert_map):
+def _workspace(hidden_states, topk_ids, expert_map, quant: str | None = None):
+    """``quant="fp8"`` for block-FP8 experts: every MoE layer of a model is quantized alike, so the
+    first call decides (the CUDA workspace sizes its segment for e4m3 rows and their scales)."""
     ws = _Workspace.instance
     if ws is None:
         group = get_ep_group()
         maps = [torch.empty_like(expert_map, device="cpu") for _ in range(group.world_size)]
         torch.distributed.all_gather(maps, expert_map.cpu().contiguous(), group=group.cpu_group)
+        extra = {}
         if hidden_states.is_cuda:
             from mok_serve.kernels.ep_cuda import SymmetricMemoryEPWorkspace as workspace_cls
 
             process_group, transport = group.device_group, "symmetric memory"
+            extra["quant"] = quant
         else:
+            # The CPU workspace moves activation rows and serves both kinds of experts.
             workspace_cls, process_group, transport = SharedMemoryEPWorkspace, group.cpu_group, "shared memory"
         ws = workspace_cls(
             process_group,
+            **extra,
             max_tokens_per_rank=_Workspace.max_tokens,
             hidden_size=hidden_states.shape[1],
             top_k=topk_ids.shape[1],
@@ -107,4 +113,24 @@ def ep_fused_moe(
 
 @ep_fused_moe.register_fake
 def _ep_fused_moe_shape(hidden_states, w13, w2, topk_weights, topk_ids, expert_map):
+    return torch.empty_like(hidden_states)
+
+
+@torch.library.custom_op("mok_serve::ep_fused_moe_fp8", mutates_args=())
+def ep_fused_moe_fp8(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor,
+) -> torch.Tensor:
+    ws = _workspace(hidden_states, topk_ids, expert_map, quant="fp8")
+    return ws.fused_moe_fp8(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids)
+
+
+@ep_fused_moe_fp8.register_fake
+def _ep_fused_moe_fp8_shape(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, expert_map):
     return torch.empty_like(hidden_states)

@@ -10,7 +10,7 @@ What kittens cannot run is refused at start-up (``plugin.py``, ``kittens_quantiz
 
 import torch
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
-from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, FusedMoEParallelConfig
+from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend, refine_fp8_moe_block_shape
 from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
@@ -23,7 +23,7 @@ from vllm.platforms import current_platform
 
 from mok_serve.kernels import fused_moe_fp8
 from mok_serve.vllm import KITTENS
-from mok_serve.vllm.expert_parallel import kittens_owns_dispatch
+from mok_serve.vllm import expert_parallel
 from mok_serve.vllm.experts import KittensExperts, TimedMoEMethod, logger
 
 BLOCK = [128, 128]  # the one weight block shape kittens runs (DeepSeek-V3's)
@@ -35,7 +35,7 @@ SUPPORTED = (
 )
 
 
-def kittens_quantization_error(quantization: str | None, quant_cfg: dict | None, parallel_config) -> str | None:
+def kittens_quantization_error(quantization: str | None, quant_cfg: dict | None) -> str | None:
     """Why kittens cannot run a model quantized this way, or None when it can.
 
     ``quantization`` is vLLM's resolved method name, ``quant_cfg`` the checkpoint's
@@ -51,11 +51,6 @@ def kittens_quantization_error(quantization: str | None, quant_cfg: dict | None,
         what = "an 'fp8' checkpoint with per-tensor scales (no weight_block_size)"
     elif list(quant_cfg["weight_block_size"]) != BLOCK:
         what = f"an 'fp8' checkpoint with weight_block_size {list(quant_cfg['weight_block_size'])}"
-    elif kittens_owns_dispatch(parallel_config):
-        return (
-            "--moe-backend kittens does not run block-FP8 MoE layers under expert parallelism yet; "
-            "serve this model without --enable-expert-parallel, or without --moe-backend kittens."
-        )
     else:
         return None
     return f"{SUPPORTED}; this model is {what}. Serve it without --moe-backend kittens."
@@ -74,12 +69,11 @@ class KittensFp8Experts(KittensExperts):
     def _supports_quant_scheme(weight_key: QuantKey | None, activation_key: QuantKey | None) -> bool:
         return (weight_key, activation_key) == (kFp8Static128BlockSym, kFp8Dynamic128Sym)
 
-    @staticmethod
-    def _supports_parallel_config(moe_parallel_config: FusedMoEParallelConfig) -> bool:
-        # Kittens' EP dispatch (expert_parallel.py) moves unquantized experts only, so far.
-        return not moe_parallel_config.use_passthrough_all2all
-
     def _run(self, hidden_states, w1, w2, topk_weights, topk_ids, expert_map) -> torch.Tensor:
+        if self.owns_dispatch:
+            return expert_parallel.ep_fused_moe_fp8(
+                hidden_states, w1, w2, self.w1_scale, self.w2_scale, topk_weights, topk_ids, expert_map
+            )
         return fused_moe_fp8(
             hidden_states,
             w1,
