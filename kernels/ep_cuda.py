@@ -71,10 +71,10 @@ from .fp8 import BLOCK_SHAPE, FP8_DTYPE, check_fused_moe_fp8_args
 from .reference import check_fused_moe_args
 from .triton_moe import (
     _cast,
+    _expert_tile,
     _gemm2_tile,
     _interpreting,
-    _program_tile,
-    _tile_of,
+    _tile_rows,
     combine_block,
     launch_gemm1,
     launch_gemm2,
@@ -256,14 +256,11 @@ def _ep_gemm2_push_kernel(
     """``triton_moe._moe_gemm2_kernel`` (same arithmetic) whose epilogue stores each row straight
     into the ``ret`` buffer of the row's home rank (push return). Same leading parameters, so
     ``launch_gemm2`` launches it; its own ones follow the strides."""
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(H, BLOCK_N)
-    pid_m, pid_n = _program_tile(pid, num_m, num_n, GROUP_M)
-    total, e, m0, count_e, start_e = _tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M)
-    if pid_m < total:
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < count_e
-        rows = tl.load(sorted_rows_ptr + start_e + offs_m, mask=row_ok, other=0)
+    in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
+        counts_ptr, num_local, num_m, H, BLOCK_N, E_PAD, BLOCK_M, GROUP_M
+    )
+    if in_use:
+        offs_m, row_ok, rows = _tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
         acc, offs_n, n_ok = _gemm2_tile(
             act_ptr, w_ptr, w_desc, e, start_e, offs_m, row_ok, pid_n, H, I,
             stride_we, stride_wn, stride_wk,
@@ -285,14 +282,11 @@ def _ep_fp8_gemm2_push_kernel(
 ):
     """``triton_moe_fp8._fp8_gemm2_kernel`` (same arithmetic) with the push epilogue; launched by
     ``launch_fp8_gemm2``."""
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(H, BLOCK_N)
-    pid_m, pid_n = _program_tile(pid, num_m, num_n, GROUP_M)
-    total, e, m0, count_e, start_e = _tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M)
-    if pid_m < total:
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < count_e
-        rows = tl.load(sorted_rows_ptr + start_e + offs_m, mask=row_ok, other=0)
+    in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
+        counts_ptr, num_local, num_m, H, BLOCK_N, E_PAD, BLOCK_M, GROUP_M
+    )
+    if in_use:
+        offs_m, row_ok, rows = _tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
         acc, offs_n, n_ok = _fp8_gemm2_tile(
             actq_ptr, acts_ptr, w_ptr, w_desc, ws_ptr, e, start_e, offs_m, row_ok, pid_n, H, I,
             stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,

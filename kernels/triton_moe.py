@@ -168,6 +168,37 @@ def _program_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _expert_tile(counts_ptr, num_local, num_m, N, BLOCK_N: tl.constexpr,
+                 E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's tile of a grouped GEMM over the scheduled rows (``N`` columns in tiles of
+    ``BLOCK_N``): (tile in use, column tile, expert, first row inside the expert, rows of the
+    expert, expert's first sorted position). Shared by every GEMM kernel here, in
+    triton_moe_fp8.py and in ep_cuda.py."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = _program_tile(pid, num_m, num_n, GROUP_M)
+    total, e, m0, count_e, start_e = _tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M)
+    return pid_m < total, pid_n, e, m0, count_e, start_e
+
+
+@triton.jit
+def _tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M: tl.constexpr):
+    """(row offsets inside the expert, row mask, scheduled rows ``t * K + k``) of a tile in use."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < count_e
+    rows = tl.load(sorted_rows_ptr + start_e + offs_m, mask=row_ok, other=0)
+    return offs_m, row_ok, rows
+
+
+@triton.jit
+def _scatter_rows(acc, rows, row_ok, offs_n, n_ok, y_ptr, H, RNE_FIX: tl.constexpr):
+    """GEMM2 epilogue: each row (rounded to ``y``'s dtype) to its (token, k) slot; ``y`` is
+    [T*K, H] in row order."""
+    y_ptrs = y_ptr + rows[:, None].to(tl.int64) * H + offs_n[None, :]
+    tl.store(y_ptrs, _cast(acc, y_ptr.dtype.element_ty, RNE_FIX), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def _moe_gemm1_kernel(
     x_ptr, w_ptr, w_desc, act_ptr, sorted_rows_ptr, counts_ptr,
     num_local, H, I, num_m,
@@ -177,14 +208,11 @@ def _moe_gemm1_kernel(
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
     GU_FUSED: tl.constexpr, USE_TMA: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(I, BLOCK_N)
-    pid_m, pid_n = _program_tile(pid, num_m, num_n, GROUP_M)
-    total, e, m0, count_e, start_e = _tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M)
-    if pid_m < total:
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < count_e
-        rows = tl.load(sorted_rows_ptr + start_e + offs_m, mask=row_ok, other=0)
+    in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
+        counts_ptr, num_local, num_m, I, BLOCK_N, E_PAD, BLOCK_M, GROUP_M
+    )
+    if in_use:
+        offs_m, row_ok, rows = _tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
         tok = (rows // TOPK).to(tl.int64)
         offs_k = tl.arange(0, BLOCK_K)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -304,22 +332,17 @@ def _moe_gemm2_kernel(
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
     USE_TMA: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(H, BLOCK_N)
-    pid_m, pid_n = _program_tile(pid, num_m, num_n, GROUP_M)
-    total, e, m0, count_e, start_e = _tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M)
-    if pid_m < total:
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < count_e
-        rows = tl.load(sorted_rows_ptr + start_e + offs_m, mask=row_ok, other=0)
+    in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
+        counts_ptr, num_local, num_m, H, BLOCK_N, E_PAD, BLOCK_M, GROUP_M
+    )
+    if in_use:
+        offs_m, row_ok, rows = _tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
         acc, offs_n, n_ok = _gemm2_tile(
             act_ptr, w_ptr, w_desc, e, start_e, offs_m, row_ok, pid_n, H, I,
             stride_we, stride_wn, stride_wk,
             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA,
         )
-        # Scatter each row to its (token, k) slot: y is [T*K, H] in row order.
-        y_ptrs = y_ptr + rows[:, None].to(tl.int64) * H + offs_n[None, :]
-        tl.store(y_ptrs, _cast(acc, y_ptr.dtype.element_ty, DOT_F32), mask=row_ok[:, None] & n_ok[None, :])
+        _scatter_rows(acc, rows, row_ok, offs_n, n_ok, y_ptr, H, DOT_F32)
 
 
 @triton.jit

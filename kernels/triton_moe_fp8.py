@@ -38,12 +38,13 @@ from .triton_moe import (
     _cast,
     _descriptor,
     _e_pad,
+    _expert_tile,
     _gemm_config,
     _interpreting,
     _max_row_tiles,
     _moe_schedule_kernel,
-    _program_tile,
-    _tile_of,
+    _scatter_rows,
+    _tile_rows,
     launch_combine,
     launch_schedule,
 )
@@ -137,14 +138,11 @@ def _fp8_gemm1_kernel(
     BLOCK_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, GROUP_M: tl.constexpr,
     RNE_FIX: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(I, _GROUP)
-    pid_m, pid_n = _program_tile(pid, num_m, num_n, GROUP_M)
-    total, e, m0, count_e, start_e = _tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M)
-    if pid_m < total:
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < count_e
-        rows = tl.load(sorted_rows_ptr + start_e + offs_m, mask=row_ok, other=0)
+    in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
+        counts_ptr, num_local, num_m, I, _GROUP, E_PAD, BLOCK_M, GROUP_M
+    )
+    if in_use:
+        offs_m, row_ok, rows = _tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
         tok = (rows // TOPK).to(tl.int64)
         offs_k = tl.arange(0, _GROUP)
         # Columns of the B tile interleave gate row n and up row I + n of w13 (one dot for both).
@@ -184,7 +182,7 @@ def _fp8_gemm1_kernel(
         act_q, act_s = _quantize_rows(tl.where(n_ok[None, :], h, 0.0), RNE_FIX)
         dst = (start_e + offs_m).to(tl.int64)
         tl.store(actq_ptr + dst[:, None] * I + offs_n[None, :], act_q, mask=row_ok[:, None] & n_ok[None, :])
-        tl.store(acts_ptr + dst * num_n + pid_n, act_s, mask=row_ok)
+        tl.store(acts_ptr + dst * tl.cdiv(I, _GROUP) + pid_n, act_s, mask=row_ok)
 
 
 @triton.jit
@@ -241,22 +239,17 @@ def _fp8_gemm2_kernel(
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, GROUP_M: tl.constexpr,
     RNE_FIX: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(H, BLOCK_N)
-    pid_m, pid_n = _program_tile(pid, num_m, num_n, GROUP_M)
-    total, e, m0, count_e, start_e = _tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M)
-    if pid_m < total:
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < count_e
-        rows = tl.load(sorted_rows_ptr + start_e + offs_m, mask=row_ok, other=0)
+    in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
+        counts_ptr, num_local, num_m, H, BLOCK_N, E_PAD, BLOCK_M, GROUP_M
+    )
+    if in_use:
+        offs_m, row_ok, rows = _tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
         acc, offs_n, n_ok = _fp8_gemm2_tile(
             actq_ptr, acts_ptr, w_ptr, w_desc, ws_ptr, e, start_e, offs_m, row_ok, pid_n, H, I,
             stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
             SCALE_BN, BLOCK_M, BLOCK_N, EVEN_K, EVEN_N, USE_TMA,
         )
-        # Scatter each row to its (token, k) slot: y is [T*K, H] in row order.
-        y_ptrs = y_ptr + rows[:, None].to(tl.int64) * H + offs_n[None, :]
-        tl.store(y_ptrs, _cast(acc, y_ptr.dtype.element_ty, RNE_FIX), mask=row_ok[:, None] & n_ok[None, :])
+        _scatter_rows(acc, rows, row_ok, offs_n, n_ok, y_ptr, H, RNE_FIX)
 
 
 # ----------------------------------------------------------------------------------------------
