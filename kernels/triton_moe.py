@@ -594,6 +594,28 @@ def launch_combine(
 # ----------------------------------------------------------------------------------------------
 
 
+def _layer_setup(hidden_states: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, expert_map):
+    """What a Triton MoE layer call starts with (bf16 or FP8 experts): ``(out, None)`` where the
+    freshly allocated ``out`` is already the answer (no tokens: empty; no top-k, experts or
+    intermediate columns: zeros), else ``(out, (tokens, hidden, num_local, inter, top_k, rows,
+    num_global, counts, sorted_rows))`` with the schedule's two buffers allocated after ``out``."""
+    tokens, hidden = hidden_states.shape
+    num_local, two_i, _ = w13.shape
+    inter = two_i // 2
+    top_k = topk_ids.shape[1]
+    dev = hidden_states.device
+    out = torch.empty((tokens, hidden), dtype=hidden_states.dtype, device=dev)
+    if tokens == 0:
+        return out, None
+    if top_k == 0 or num_local == 0 or inter == 0:
+        return out.zero_(), None
+    rows = tokens * top_k
+    num_global = expert_map.numel() if expert_map is not None else num_local
+    counts = torch.empty(num_local, dtype=torch.int32, device=dev)
+    sorted_rows = torch.empty(rows, dtype=torch.int32, device=dev)
+    return out, (tokens, hidden, num_local, inter, top_k, rows, num_global, counts, sorted_rows)
+
+
 def fused_moe_triton(
     hidden_states: torch.Tensor,
     w13: torch.Tensor,
@@ -615,22 +637,12 @@ def fused_moe_triton(
     check_fused_moe_args(
         hidden_states, w13, w2, topk_weights, topk_ids, expert_map, activation, check_values=not capturing
     )
-    tokens, hidden = hidden_states.shape
-    num_local, two_i, _ = w13.shape
-    inter = two_i // 2
-    top_k = topk_ids.shape[1]
-    dev = hidden_states.device
-    out = torch.empty((tokens, hidden), dtype=hidden_states.dtype, device=dev)
-    if tokens == 0:
+    out, layer = _layer_setup(hidden_states, w13, topk_ids, expert_map)
+    if layer is None:
         return out
-    if top_k == 0 or num_local == 0 or inter == 0:
-        return out.zero_()
-    rows = tokens * top_k
-    num_global = expert_map.numel() if expert_map is not None else num_local
+    tokens, hidden, num_local, inter, top_k, rows, num_global, counts, sorted_rows = layer
+    dev = hidden_states.device
     interpret = _interpreting()
-
-    counts = torch.empty(num_local, dtype=torch.int32, device=dev)
-    sorted_rows = torch.empty(rows, dtype=torch.int32, device=dev)
     act = torch.empty((rows, inter), dtype=hidden_states.dtype, device=dev)
     y = torch.empty((rows, hidden), dtype=hidden_states.dtype, device=dev)
 

@@ -41,6 +41,7 @@ from .triton_moe import (
     _expert_tile,
     _gemm_config,
     _interpreting,
+    _layer_setup,
     _max_row_tiles,
     _moe_schedule_kernel,
     _scatter_rows,
@@ -426,22 +427,12 @@ def fused_moe_fp8_triton(
     )
     if bk_scale != GROUP:
         raise ValueError(f"the Triton FP8 kernels need a K block of {GROUP} (block_shape[1]), got {bk_scale}")
-    tokens, hidden = hidden_states.shape
-    num_local, two_i, _ = w13.shape
-    inter = two_i // 2
-    top_k = topk_ids.shape[1]
-    dtype, dev = hidden_states.dtype, hidden_states.device
-    out = torch.empty((tokens, hidden), dtype=dtype, device=dev)
-    if tokens == 0:
+    out, layer = _layer_setup(hidden_states, w13, topk_ids, expert_map)
+    if layer is None:
         return out
-    if top_k == 0 or num_local == 0 or inter == 0:
-        return out.zero_()
-    rows = tokens * top_k
-    num_global = expert_map.numel() if expert_map is not None else num_local
+    tokens, hidden, num_local, inter, top_k, rows, num_global, counts, sorted_rows = layer
+    dtype, dev = hidden_states.dtype, hidden_states.device
     interpret = _interpreting()
-
-    counts = torch.empty(num_local, dtype=torch.int32, device=dev)
-    sorted_rows = torch.empty(rows, dtype=torch.int32, device=dev)
     xq = torch.empty((tokens, hidden), dtype=FP8_DTYPE, device=dev)
     xs = torch.empty((tokens, triton.cdiv(hidden, GROUP)), dtype=torch.float32, device=dev)
     act_q = torch.empty((rows, inter), dtype=FP8_DTYPE, device=dev)
