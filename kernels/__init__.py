@@ -30,6 +30,19 @@ __all__ = [
 _lib = torch.library.Library("mok_serve", "FRAGMENT")
 
 
+def _define_op(name: str, arguments: str, impl) -> None:
+    """``torch.ops.mok_serve.<name>(arguments) -> Tensor`` shaped like its first argument.
+
+    Defined once: `python -m pytest` puts the checkout on sys.path, where transformers' probe for
+    the Hugging Face `kernels` package imports this directory a second time as `kernels`.
+    """
+    if hasattr(torch.ops.mok_serve, name):
+        return
+    _lib.define(f"{name}({arguments}) -> Tensor")
+    _lib.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"mok_serve::{name}", lambda hidden_states, *_: torch.empty_like(hidden_states), lib=_lib)
+
+
 def _fused_moe_impl(hidden_states, w13, w2, topk_weights, topk_ids, expert_map, activation):
     if hidden_states.is_cuda:
         from .triton_moe import fused_moe_triton
@@ -46,19 +59,12 @@ def _fused_moe_impl(hidden_states, w13, w2, topk_weights, topk_ids, expert_map, 
     )
 
 
-def _fused_moe_shape(hidden_states, w13, w2, topk_weights, topk_ids, expert_map, activation):
-    return torch.empty_like(hidden_states)
-
-
-# `python -m pytest` puts the checkout on sys.path, where transformers' probe for the Hugging Face
-# `kernels` package imports this directory a second time as `kernels`: define the op once.
-if not hasattr(torch.ops.mok_serve, "fused_moe"):
-    _lib.define(
-        "fused_moe(Tensor hidden_states, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
-        "Tensor? expert_map, str activation) -> Tensor"
-    )
-    _lib.impl("fused_moe", _fused_moe_impl, "CompositeExplicitAutograd")
-    torch.library.register_fake("mok_serve::fused_moe", _fused_moe_shape, lib=_lib)
+_define_op(
+    "fused_moe",
+    "Tensor hidden_states, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, Tensor? expert_map, "
+    "str activation",
+    _fused_moe_impl,
+)
 
 
 def fused_moe(
@@ -94,17 +100,12 @@ def _fused_moe_fp8_impl(
     return fused_moe_fp8_reference(*args, **kwargs)
 
 
-def _fused_moe_fp8_shape(hidden_states, *args):
-    return torch.empty_like(hidden_states)
-
-
-if not hasattr(torch.ops.mok_serve, "fused_moe_fp8"):  # (defined once: see fused_moe above)
-    _lib.define(
-        "fused_moe_fp8(Tensor hidden_states, Tensor w13, Tensor w2, Tensor w13_scale, Tensor w2_scale, "
-        "Tensor topk_weights, Tensor topk_ids, Tensor? expert_map, str activation, int[] block_shape) -> Tensor"
-    )
-    _lib.impl("fused_moe_fp8", _fused_moe_fp8_impl, "CompositeExplicitAutograd")
-    torch.library.register_fake("mok_serve::fused_moe_fp8", _fused_moe_fp8_shape, lib=_lib)
+_define_op(
+    "fused_moe_fp8",
+    "Tensor hidden_states, Tensor w13, Tensor w2, Tensor w13_scale, Tensor w2_scale, Tensor topk_weights, "
+    "Tensor topk_ids, Tensor? expert_map, str activation, int[] block_shape",
+    _fused_moe_fp8_impl,
+)
 
 
 def fused_moe_fp8(
