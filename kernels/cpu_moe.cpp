@@ -3,8 +3,9 @@
 // Computes the function documented in reference.py. What makes it batch invariant: every output
 // element of a GEMM is summed over k in order, k = 0 first (`gemm_rows`), on every code path. No
 // BLAS library picks a kernel by row count, so a row's result never depends on how many rows
-// share its expert or the call. Built with -ffp-contract=off: the compiler must not fuse a
-// multiply and an add in one code path and not in another.
+// share its expert or the call. Built with -ffp-contract=off, except the GEMM block (`gemm_tile`,
+// `gemm_rows`), compiled with contraction on so that every term there is one fused multiply-add
+// on every path: the compiler must not fuse a multiply and an add in one path and not another.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
