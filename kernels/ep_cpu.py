@@ -190,8 +190,11 @@ class SharedMemoryEPWorkspace:
         topk_ids: torch.Tensor,
         *,
         layer: str = "?",
+        on_phase=None,
     ) -> torch.Tensor:
-        """This rank's tokens through the experts of every rank: ``[T, H]``, as ``fused_moe``."""
+        """This rank's tokens through the experts of every rank: ``[T, H]``, as ``fused_moe``.
+        ``on_phase(name)``, if given, is called as the ``"experts"`` and ``"combine"`` phases
+        start (after dispatch has pulled every row, after this rank's experts): per-layer timing."""
         check_fused_moe_args(
             hidden_states, w13, w2, topk_weights, topk_ids, self.placement.expert_map(self.rank), "silu"
         )
@@ -199,7 +202,7 @@ class SharedMemoryEPWorkspace:
         def run_rows(x, row_token, row_expert):
             return expert_rows(x, row_token, row_expert, w13, w2)
 
-        return self._call(hidden_states, topk_weights, topk_ids, run_rows, layer)
+        return self._call(hidden_states, topk_weights, topk_ids, run_rows, layer, on_phase)
 
     def fused_moe_fp8(
         self,
@@ -213,6 +216,7 @@ class SharedMemoryEPWorkspace:
         *,
         block_shape=BLOCK_SHAPE,
         layer: str = "?",
+        on_phase=None,
     ) -> torch.Tensor:
         """``fused_moe`` with block-scaled FP8 experts, as ``fused_moe_fp8``. Token rows travel in the
         activation dtype and are quantized (per token, so exactly as on one rank) where they run."""
@@ -224,9 +228,9 @@ class SharedMemoryEPWorkspace:
         def run_rows(x, row_token, row_expert):
             return fp8_expert_rows(x, row_token, row_expert, w13, w2, w13_scale, w2_scale, block)
 
-        return self._call(hidden_states, topk_weights, topk_ids, run_rows, layer)
+        return self._call(hidden_states, topk_weights, topk_ids, run_rows, layer, on_phase)
 
-    def _call(self, hidden_states, topk_weights, topk_ids, run_rows, layer: str) -> torch.Tensor:
+    def _call(self, hidden_states, topk_weights, topk_ids, run_rows, layer: str, on_phase) -> torch.Tensor:
         tokens = hidden_states.shape[0]
         if tokens > self.max_tokens or hidden_states.shape[1] != self.hidden or topk_ids.shape[1] != self.top_k:
             raise ValueError(
@@ -273,7 +277,11 @@ class SharedMemoryEPWorkspace:
                 [self.segments[s].x[pulled_token[pulled_source == s]] for s in range(self.world_size)]
             )
         local_expert = self.placement.local[row_expert[owned]].long()
+        if on_phase is not None:
+            on_phase("experts")
         me.y[: int(owned.sum())] = run_rows(pulled, row_of_token, local_expert)
+        if on_phase is not None:
+            on_phase("combine")
         me.flags[COMPUTED] = epoch
         self._wait_for_peers(COMPUTED, epoch, "finish its experts", layer)
 

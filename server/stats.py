@@ -21,7 +21,7 @@ Schema of ``GET /v1/kittens/layers`` (``object: "kittens.layers"``)::
               "local_experts": [int],          # global ids of the experts on this rank
               "calls": int, "tokens": int, "sampled_calls": int,
               "latency_ms": {"mean", "p50", "p90", "p99", "max": float, "samples": int} | null,
-              "phases_ms": {"dispatch": {...}, "experts": {...}, "combine": {...}} | null,
+              "phases_ms": {"dispatch": {...}, "experts": {...}, "combine": {...}} | null,  # kittens EP
               "expert_tokens": [int] * num_experts,   # top-k slots routed to each global expert
               "local_expert_tokens": int,
               "imbalance": float | null        # max / mean of expert_tokens
@@ -32,7 +32,7 @@ Schema of ``GET /v1/kittens/layers`` (``object: "kittens.layers"``)::
 ``calls``/``tokens``/``expert_tokens`` count every MoE call since the window started (a reset
 or start-up); latency statistics cover the sampled calls among them (every ``sample_every``-th
 call, at most the last ``window_calls``). The span timed is the MoE method after routing:
-prepare/dispatch, experts, finalize/combine (``phases_ms`` splits it for kittens). Each rank
+prepare/dispatch, experts, finalize/combine (``phases_ms`` splits it under kittens EP). Each rank
 counts the top-k ids it sees; with expert parallelism and one DP rank every rank sees every
 token, so ``expert_tokens`` agree across ranks and ``local_expert_tokens`` is the rank's load.
 """

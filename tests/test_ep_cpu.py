@@ -117,8 +117,10 @@ def scenario_replicated(rank, world):
         for call, tokens in enumerate([1, 13, MAX_TOKENS, 0]):
             x, w13, w2, weights, ids = _global_inputs(200 + call, [tokens], num_experts)
             local13, local2 = _local_weights(w13, w2, placement, rank)
-            out = ws.fused_moe(x, local13, local2, weights, ids)
+            phases = []
+            out = ws.fused_moe(x, local13, local2, weights, ids, on_phase=phases.append)
             assert torch.equal(out, fused_moe(x, w13, w2, weights, ids))
+            assert phases == ["experts", "combine"]
     finally:
         ws.close()
 

@@ -18,7 +18,7 @@ from vllm.logger import init_logger
 from vllm.platforms import current_platform
 
 from mok_serve.kernels.ep_cpu import ExpertPlacement, SharedMemoryEPWorkspace
-from mok_serve.vllm import KITTENS
+from mok_serve.vllm import KITTENS, timing
 
 logger = init_logger("vllm.mok_serve")
 
@@ -106,13 +106,16 @@ def ep_fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     expert_map: torch.Tensor,
+    timing_slot: int = -1,
 ) -> torch.Tensor:
+    """``timing_slot``: the layer's slot in ``timing`` (-1: not timed); its dispatch, experts and
+    combine phases are stamped inside the workspace, the only place they are separable."""
     ws = _workspace(hidden_states, topk_ids, expert_map)
-    return ws.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids)
+    return ws.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, on_phase=timing.phase_marker(timing_slot))
 
 
 @ep_fused_moe.register_fake
-def _ep_fused_moe_shape(hidden_states, w13, w2, topk_weights, topk_ids, expert_map):
+def _ep_fused_moe_shape(hidden_states, w13, w2, topk_weights, topk_ids, expert_map, timing_slot=-1):
     return torch.empty_like(hidden_states)
 
 
@@ -126,11 +129,15 @@ def ep_fused_moe_fp8(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     expert_map: torch.Tensor,
+    timing_slot: int = -1,
 ) -> torch.Tensor:
     ws = _workspace(hidden_states, topk_ids, expert_map, quant="fp8")
-    return ws.fused_moe_fp8(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids)
+    return ws.fused_moe_fp8(
+        hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, on_phase=timing.phase_marker(timing_slot)
+    )
 
 
 @ep_fused_moe_fp8.register_fake
-def _ep_fused_moe_fp8_shape(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, expert_map):
+def _ep_fused_moe_fp8_shape(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, expert_map,
+                            timing_slot=-1):  # fmt: skip
     return torch.empty_like(hidden_states)

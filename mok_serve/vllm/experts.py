@@ -122,17 +122,21 @@ class KittensExperts(mk.FusedMoEExpertsModular):
         if apply_router_weight_on_input:
             # prepare() already scaled the input by the (top-1) router weight.
             topk_weights = torch.ones_like(topk_weights)
+        output.copy_(self._run(hidden_states, w1, w2, topk_weights, topk_ids, expert_map))
+
+    @property
+    def _timing_slot(self) -> int:
+        """The layer's timing slot for the EP ops' phase stamps, -1 when timing is off. Without
+        expert parallelism dispatch and combine happen inside the one fused op, so a layer's
+        time has no phases."""
         slot = getattr(self, "_kittens_timing_slot", None)
-        if slot is not None:
-            topk_ids = timing.mark(topk_ids, slot, timing.EXPERTS_BEGIN)
-        out = self._run(hidden_states, w1, w2, topk_weights, topk_ids, expert_map)
-        if slot is not None:
-            out = timing.mark(out, slot, timing.EXPERTS_END)
-        output.copy_(out)
+        return -1 if slot is None else slot
 
     def _run(self, hidden_states, w1, w2, topk_weights, topk_ids, expert_map) -> torch.Tensor:
         if self.owns_dispatch:
-            return expert_parallel.ep_fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, expert_map)
+            return expert_parallel.ep_fused_moe(
+                hidden_states, w1, w2, topk_weights, topk_ids, expert_map, self._timing_slot
+            )
         return fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, expert_map=expert_map)
 
 

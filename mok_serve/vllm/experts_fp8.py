@@ -72,7 +72,8 @@ class KittensFp8Experts(KittensExperts):
     def _run(self, hidden_states, w1, w2, topk_weights, topk_ids, expert_map) -> torch.Tensor:
         if self.owns_dispatch:
             return expert_parallel.ep_fused_moe_fp8(
-                hidden_states, w1, w2, self.w1_scale, self.w2_scale, topk_weights, topk_ids, expert_map
+                hidden_states, w1, w2, self.w1_scale, self.w2_scale, topk_weights, topk_ids, expert_map,
+                self._timing_slot,
             )
         return fused_moe_fp8(
             hidden_states,

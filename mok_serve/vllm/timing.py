@@ -1,16 +1,19 @@
 """Per-layer MoE timing and expert load, collected inside vLLM's workers.
 
 ``KittensFusedMoEMethod`` (which vLLM uses for every unquantized MoE layer once the plugin is
-loaded, whichever ``--moe-backend``) registers each layer here and calls :func:`mark` at four
-points of each call::
+loaded, whichever ``--moe-backend``) registers each layer here and stamps up to four points
+of each call::
 
     0 BEGIN          after top-k routing, before prepare/dispatch   (also counts top-k ids)
-    1 EXPERTS_BEGIN  inside the experts (kittens only)
-    2 EXPERTS_END    inside the experts (kittens only)
+    1 EXPERTS_BEGIN  every row has arrived, the expert GEMMs start  (kittens EP only)
+    2 EXPERTS_END    this rank's experts are done, combine starts   (kittens EP only)
     3 END            after finalize/combine
 
-so a sampled call gives ``total = t3 - t0`` and, for kittens, ``dispatch = t1 - t0``,
-``experts = t2 - t1``, ``combine = t3 - t2``.
+so a sampled call gives ``total = t3 - t0`` and, under kittens expert parallelism,
+``dispatch = t1 - t0``, ``experts = t2 - t1``, ``combine = t3 - t2``. Only there are the phases
+separable: on one rank kittens is one fused op, and the stock backends' prepare/finalize are
+vLLM's (no-ops without EP). Points 1 and 2 are stamped inside the EP op, by the workspace's
+``on_phase`` hook (:func:`phase_marker`), not by :func:`mark`.
 
 CPU: vLLM compiles the model with Dynamo + Inductor and traces into the MoE method, so
 :func:`mark` is an opaque custom op (``mok_serve::moe_timer``) that returns a copy of the tensor
@@ -360,6 +363,18 @@ def mark(t: torch.Tensor, slot: int, point: int) -> torch.Tensor:
         REGISTRY.layers[slot].mark(t, point)
         return t
     return torch.ops.mok_serve.moe_timer(t, slot, point)
+
+
+_PHASE_POINTS = {"experts": EXPERTS_BEGIN, "combine": EXPERTS_END}
+
+
+def phase_marker(slot: int):
+    """The ``on_phase`` hook of the EP workspaces for layer ``slot`` (None when ``slot`` < 0).
+    It runs inside the EP custom op, where a compiler cannot reorder it, so it stamps directly."""
+    if slot < 0:
+        return None
+    timer = REGISTRY.layers[slot]
+    return lambda phase: timer.mark(None, _PHASE_POINTS[phase])
 
 
 def snapshot(rank_info: dict) -> dict:
