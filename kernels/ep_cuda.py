@@ -24,13 +24,19 @@ One call, on rank ``me`` (launches in stream order; epoch ``e``):
 2. ``sync(POSTED)``: ``e = epoch + 1``; release-store ``e`` into every peer's ``flags[POSTED, me]``,
    then wait (bounded) until every peer's ``flags[POSTED, p] >= e``.
 3. ``gather``: read every source's ``n`` and top-k ids from its segment into ``all_ids
-   [S * maxT, K]`` (``-1`` past ``n``), and **pull** each source token row that has at least one
-   local expert, once, straight from the source's ``x`` into ``xl [S * maxT, H]``.
+   [S * maxT, K]`` (``-1`` past ``n``). FP8 workspaces also **pull** here each source token row
+   that has at least one local expert, once, from the source's ``x`` into ``xl [S * maxT, H]``.
 4. ``schedule``: ``triton_moe``'s prefix-sum schedule over ``all_ids`` with this rank's expert map:
    per local expert, its rows in (source rank, token, k) order; positions by prefix sums only.
-5. ``gemm1`` / ``gemm2``: ``triton_moe``'s grouped GEMMs (same block sizes rule, BLOCK_K per shape,
-   no split-K). GEMM2 writes row ``(s, t, k)`` to ``y`` (pull return) or, with ``return_mode=
-   "push"``, straight into ``ret`` of rank ``s`` at ``t * K + k`` (remote stores in the epilogue).
+5. ``gemm1`` / ``gemm2``: ``triton_moe``'s grouped GEMM tiles (same block sizes rule, BLOCK_K per
+   shape, no split-K). bf16 GEMM1 (``_ep_gemm1_pull_kernel``) **pulls** the rows itself, each
+   needed row once, straight from the source's ``x`` into ``xl``: chunks of ``PULL_BT`` tokens
+   are claimed from a queue, copied and flagged ready (an epoch per chunk, release at GPU scope),
+   and each tile starts once the chunks of its rows are ready (acquire, bounded wait), so tiles
+   compute while other chunks are still crossing NVLink; tiles run in token-major order, so early
+   tiles need early chunks. GEMM2 writes row ``(s, t, k)`` to ``y`` (pull return) or, with
+   ``return_mode="push"``, straight into ``ret`` of rank ``s`` at ``t * K + k`` (remote stores in
+   the epilogue).
 6. ``sync(COMPUTED)``: release-store ``e`` into every peer's ``flags[COMPUTED, me]``; wait for all.
 7. ``combine``: ``out[t] = sum_k w[t, k] * y_k`` in fp32 in k order, where ``y_k`` is pulled from
    the owner of expert ``ids[t, k]`` (its ``y`` row ``(me * maxT + t) * K + k``) or read from the
@@ -52,9 +58,9 @@ call (or ``check_errors()``, which synchronises) raises it. With ``MOK_EP_SYNC_C
 ``sync_check=True``) every call synchronises and raises at once (debug mode). Under CUDA-graph
 replay only ``check_errors()`` reports.
 
-Not done (see kernels/NOTES.md "Expert parallel"): GEMM tiles do not yet start on rows as they
-arrive (phases are separated by kernel boundaries and the two flag waits, not a grid barrier);
-grids are sized for the workspace limit ``max_tokens_per_rank``, not the call's tokens.
+Not done (see kernels/NOTES.md "Expert parallel"): FP8 rows are pulled before GEMM1 (by
+``gather``), not by the GEMM; GEMM2 and the return do not overlap; grids are sized for the
+workspace limit ``max_tokens_per_rank``, not the call's tokens.
 """
 
 from __future__ import annotations
@@ -72,6 +78,7 @@ from .reference import check_fused_moe_args
 from .triton_moe import (
     _cast,
     _expert_tile,
+    _gemm1_tile,
     _gemm2_tile,
     _interpreting,
     _tile_rows,
@@ -96,11 +103,14 @@ __all__ = ["ExpertPlacement", "PeerTimeoutError", "SymmetricMemoryEPWorkspace"]
 
 POSTED, COMPUTED = 0, 1
 NUM_SLOTS = 2
+ROWS = 2  # error code only: GEMM1 waited in vain for pulled rows (no flag slot)
+_ROWS_ERR = tl.constexpr(1 + ROWS)
+PULL_BT = 4  # tokens per pulled chunk (one ready flag each)
 # state (local int64 words): epoch, error code (slot + 1), error peer, error epoch, wait ns per slot
 ST_EPOCH, ST_ERR, ST_ERR_PEER, ST_ERR_EPOCH, ST_WAIT = 0, 1, 2, 3, 4
 STATE_WORDS = 8
 ALIGN = 256
-WHAT = {POSTED: "post its tokens", COMPUTED: "finish its experts"}
+WHAT = {POSTED: "post its tokens", COMPUTED: "finish its experts", ROWS: "deliver its token rows to the expert GEMMs"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -185,16 +195,40 @@ def _ep_post_kernel(
 
 
 @triton.jit
+def _rows_needed(ids, t_ok, emap_ptr, num_global, num_local):
+    """Which of these tokens (``ids [BT, K_PAD]``, -1 padded) have at least one local expert."""
+    ok = (ids >= 0) & (ids < num_global)
+    lid = tl.load(emap_ptr + tl.where(ok, ids, 0), mask=ok, other=-1)
+    local = (ok & (lid >= 0) & (lid < num_local)).to(tl.int32)
+    return (tl.sum(local, axis=1) > 0) & t_ok
+
+
+@triton.jit
+def _copy_rows(src_ptr, dst_ptr, src_rows, dst_rows, need, width, BLOCK: tl.constexpr):
+    """``dst[dst_rows] = src[src_rows]`` for the rows in ``need``, ``width`` elements each."""
+    for h0 in range(0, width, BLOCK):
+        offs_h = h0 + tl.arange(0, BLOCK)
+        m = need[:, None] & (offs_h < width)[None, :]
+        v = tl.load(src_ptr + src_rows[:, None].to(tl.int64) * width + offs_h[None, :], mask=m)
+        tl.store(dst_ptr + dst_rows[:, None] * width + offs_h[None, :], v, mask=m)
+
+
+@triton.jit
 def _ep_gather_kernel(
-    ntab_ptr, idtab_ptr, xtab_ptr, xstab_ptr, all_ids_ptr, xl_ptr, xsl_ptr, emap_ptr,
+    ntab_ptr, idtab_ptr, xtab_ptr, xstab_ptr, all_ids_ptr, xl_ptr, xsl_ptr, emap_ptr, queue_ptr,
     max_tokens, H, G, num_global, num_local,
     TOPK: tl.constexpr, K_PAD: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr,
-    SCALES: tl.constexpr, BLOCK_G: tl.constexpr,
+    COPY_ROWS: tl.constexpr, SCALES: tl.constexpr, BLOCK_G: tl.constexpr,
 ):
-    """Source ``s``'s ids into ``all_ids[s]`` (-1 past its token count) and a pull of each of its
-    token rows that has a local expert, once, from its segment into ``xl[s * maxT + t]`` (FP8:
-    the e4m3 row, copied as bytes, and with ``SCALES`` its ``G`` fp32 group scales into ``xsl``)."""
+    """Source ``s``'s ids into ``all_ids[s]`` (-1 past its token count) and, with ``COPY_ROWS``, a
+    pull of each of its token rows that has a local expert, once, from its segment into
+    ``xl[s * maxT + t]`` (FP8: the e4m3 row, copied as bytes, and with ``SCALES`` its ``G`` fp32
+    group scales into ``xsl``). Without ``COPY_ROWS`` GEMM1 pulls the rows (``_ep_gemm1_pull_kernel``)
+    and this zeroes its chunk queue."""
     s = tl.program_id(0)
+    if not COPY_ROWS:
+        if (s == 0) & (tl.program_id(1) == 0):
+            tl.store(queue_ptr, 0)
     offs_t = tl.program_id(1) * BT + tl.arange(0, BT)
     n_s = tl.load(tl.load(ntab_ptr + s).to(tl.pointer_type(tl.int32)))
     n_s = tl.minimum(tl.maximum(n_s, 0), max_tokens)
@@ -207,23 +241,130 @@ def _ep_gather_kernel(
                   mask=t_ok[:, None] & k_ok[None, :], other=-1)
     dst_rows = (s * max_tokens + offs_t).to(tl.int64)
     tl.store(all_ids_ptr + dst_rows[:, None] * TOPK + offs_k[None, :], ids, mask=t_in[:, None] & k_ok[None, :])
-    ok = (ids >= 0) & (ids < num_global)
-    lid = tl.load(emap_ptr + tl.where(ok, ids, 0), mask=ok, other=-1)
-    local = (ok & (lid >= 0) & (lid < num_local)).to(tl.int32)
-    need = (tl.sum(local, axis=1) > 0) & t_ok
+    if COPY_ROWS:
+        need = _rows_needed(ids, t_ok, emap_ptr, num_global, num_local)
+        src_x = tl.load(xtab_ptr + s).to(tl.pointer_type(xl_ptr.dtype.element_ty))
+        _copy_rows(src_x, xl_ptr, offs_t, dst_rows, need, H, BLOCK_H)
+        if SCALES:
+            src_s = tl.load(xstab_ptr + s).to(tl.pointer_type(tl.float32))
+            _copy_rows(src_s, xsl_ptr, offs_t, dst_rows, need, G, BLOCK_G)
+
+
+@triton.jit
+def _ep_pull_chunk(c, xtab_ptr, all_ids_ptr, xl_ptr, emap_ptr, ready_ptr, epoch, sources, max_tokens, H,
+                   num_global, num_local, TOPK: tl.constexpr, K_PAD: tl.constexpr, BT: tl.constexpr,
+                   BLOCK_H: tl.constexpr):
+    """Pull chunk ``c`` (tokens ``(c // S) * BT ...`` of source ``c % S``: chunks interleave the
+    sources, so the first tokens of every source come first), the rows with a local expert, into
+    ``xl``; then flag it ready for this GPU's GEMM tiles (release at GPU scope, after a CTA barrier
+    so every thread's stores are ordered before the flag)."""
+    s = c % sources
+    offs_t = (c // sources) * BT + tl.arange(0, BT)
+    t_ok = offs_t < max_tokens
+    offs_k = tl.arange(0, K_PAD)
+    rows = (s * max_tokens + offs_t).to(tl.int64)
+    ids = tl.load(all_ids_ptr + rows[:, None] * TOPK + offs_k[None, :],
+                  mask=t_ok[:, None] & (offs_k < TOPK)[None, :], other=-1)
+    need = _rows_needed(ids, t_ok, emap_ptr, num_global, num_local)
     src_x = tl.load(xtab_ptr + s).to(tl.pointer_type(xl_ptr.dtype.element_ty))
-    for h0 in range(0, H, BLOCK_H):
-        offs_h = h0 + tl.arange(0, BLOCK_H)
-        m = need[:, None] & (offs_h < H)[None, :]
-        v = tl.load(src_x + offs_t[:, None].to(tl.int64) * H + offs_h[None, :], mask=m)
-        tl.store(xl_ptr + dst_rows[:, None] * H + offs_h[None, :], v, mask=m)
-    if SCALES:
-        src_s = tl.load(xstab_ptr + s).to(tl.pointer_type(tl.float32))
-        for g0 in range(0, G, BLOCK_G):
-            offs_g = g0 + tl.arange(0, BLOCK_G)
-            m = need[:, None] & (offs_g < G)[None, :]
-            v = tl.load(src_s + offs_t[:, None].to(tl.int64) * G + offs_g[None, :], mask=m)
-            tl.store(xsl_ptr + dst_rows[:, None] * G + offs_g[None, :], v, mask=m)
+    _copy_rows(src_x, xl_ptr, offs_t, rows, need, H, BLOCK_H)
+    tl.debug_barrier()
+    tl.atomic_xchg(ready_ptr + c, epoch, sem="release", scope="gpu")
+
+
+@triton.jit
+def _token_major_tile(counts_ptr, num_local, num_m, N, BLOCK_N: tl.constexpr, E_PAD: tl.constexpr,
+                      BLOCK_M: tl.constexpr):
+    """``_expert_tile`` with row tiles in token-major order: the first row tile of every expert,
+    then the second of every expert, ... (columns fastest). Rows of an expert are in (source,
+    token) order, so early tiles read early tokens and can start while later ones are pulled."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    eo = tl.arange(0, E_PAD)
+    cnt = tl.load(counts_ptr + eo, mask=eo < num_local, other=0)
+    tiles = (cnt + BLOCK_M - 1) // BLOCK_M
+    total = tl.sum(tiles, axis=0)
+    # Tier j holds the j-th tile of each expert with more than j tiles; tiles before tier j:
+    # C(j) = sum_e min(tiles_e, j). Binary search for the tier of pid_m (C is nondecreasing).
+    lo = 0
+    hi = tl.max(tiles, axis=0)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if tl.sum(tl.minimum(tiles, mid), axis=0) <= pid_m:
+            lo = mid
+        else:
+            hi = mid
+    r = pid_m - tl.sum(tl.minimum(tiles, lo), axis=0)
+    active = tiles > lo
+    nth = tl.cumsum(active.to(tl.int32), axis=0) - 1
+    e = tl.min(tl.where(active & (nth == r), eo, E_PAD - 1), axis=0)
+    sel = eo == e
+    count_e = tl.sum(tl.where(sel, cnt, 0), axis=0)
+    start_e = tl.sum(tl.where(eo < e, cnt, 0), axis=0)
+    return pid_m < total, pid_n, e, lo * BLOCK_M, count_e, start_e
+
+
+@triton.jit
+def _ep_gemm1_pull_kernel(
+    x_ptr, w_ptr, w_desc, act_ptr, sorted_rows_ptr, counts_ptr,
+    num_local, H, I, num_m,
+    stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
+    xtab_ptr, all_ids_ptr, emap_ptr, ready_ptr, queue_ptr, state_ptr,
+    sources, max_tokens, num_global, num_chunks, timeout_ns, max_spins,
+    TOPK: tl.constexpr, E_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
+    GU_FUSED: tl.constexpr, USE_TMA: tl.constexpr, GROUP_M: tl.constexpr,
+    K_PAD: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr, USE_TIMER: tl.constexpr,
+):
+    """GEMM1 that pulls its own A rows (``x_ptr`` is ``xl``): chunks of ``BT`` source tokens are
+    claimed in order from a queue, pulled and flagged ready; a tile starts as soon as the chunks
+    of its rows are ready, not after all rows have arrived. A tile first claims chunks until
+    every chunk it reads has been claimed: a claimed chunk's puller never waits on anything, so
+    no tile ever waits on a program that has not started (no deadlock, whatever the scheduling)."""
+    in_use, pid_n, e, m0, count_e, start_e = _token_major_tile(
+        counts_ptr, num_local, num_m, I, BLOCK_N, E_PAD, BLOCK_M
+    )
+    if in_use:
+        offs_m, row_ok, rows = _tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
+        tok = (rows // TOPK).to(tl.int64)
+        src = (tok // max_tokens).to(tl.int32)
+        chunk = ((tok % max_tokens) // BT).to(tl.int32) * sources + src
+        last = tl.max(tl.where(row_ok, chunk, -1), axis=0)
+        epoch = tl.load(state_ptr + 0).to(tl.int32)
+        head = tl.atomic_add(queue_ptr, 0)
+        while head <= last:
+            c = tl.atomic_add(queue_ptr, 1)
+            if c < num_chunks:
+                _ep_pull_chunk(c, xtab_ptr, all_ids_ptr, x_ptr, emap_ptr, ready_ptr, epoch, sources, max_tokens,
+                               H, num_global, num_local, TOPK, K_PAD, BT, BLOCK_H)
+            head = c + 1
+        # Bounded wait for the chunks pulled by other programs.
+        flag = tl.atomic_add(ready_ptr + chunk, 0, mask=row_ok, sem="acquire", scope="gpu")
+        pending = tl.sum((row_ok & (flag != epoch)).to(tl.int32), axis=0)
+        err = tl.load(state_ptr + 1, volatile=True)
+        spins = tl.full((), 0, tl.int64)
+        t0 = _now(USE_TIMER)
+        elapsed = tl.full((), 0, tl.int64)
+        while (pending > 0) & (err == 0) & (spins < max_spins) & (elapsed < timeout_ns):
+            flag = tl.atomic_add(ready_ptr + chunk, 0, mask=row_ok, sem="acquire", scope="gpu")
+            pending = tl.sum((row_ok & (flag != epoch)).to(tl.int32), axis=0)
+            err = tl.load(state_ptr + 1, volatile=True)
+            spins += 1
+            elapsed = _now(USE_TIMER) - t0
+        if (pending > 0) & (err == 0):
+            late = tl.min(tl.where(row_ok & (flag != epoch), src, sources), axis=0)
+            tl.store(state_ptr + 2, late.to(tl.int64))
+            tl.store(state_ptr + 3, epoch.to(tl.int64))
+            tl.store(state_ptr + 1, tl.full((), _ROWS_ERR, tl.int64))
+        tl.debug_barrier()
+        _gemm1_tile(
+            x_ptr, w_ptr, w_desc, act_ptr, tok, offs_m, row_ok, pid_n, e, start_e, H, I,
+            stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, GU_FUSED, USE_TMA,
+        )
 
 
 @triton.jit
@@ -329,6 +470,19 @@ def _ep_combine_kernel(
 # ----------------------------------------------------------------------------------------------
 # Workspace
 # ----------------------------------------------------------------------------------------------
+
+
+def _run_stages(stages, on_phase):
+    """Run one call's launch steps; the expert GEMMs are the "experts" phase, what follows them
+    (waiting for every rank's results, the combine) the "combine" phase."""
+    out = None
+    for stage in stages:
+        if on_phase is not None and stage.__name__ == "gemms":
+            on_phase("experts")
+        out = stage()
+        if on_phase is not None and stage.__name__ == "gemms":
+            on_phase("combine")
+    return out
 
 
 def _up(n: int) -> int:
@@ -480,6 +634,9 @@ class SymmetricMemoryEPWorkspace:
         pin = self.device.type == "cuda"
         self._err_host = torch.zeros(STATE_WORDS, dtype=torch.int64, pin_memory=pin)
         self.all_ids = torch.empty(S * T, K, dtype=torch.int32, device=self.device)
+        # GEMM1's pull (bf16): a ready flag (epoch) per chunk of PULL_BT tokens, and its queue head.
+        self.ready = torch.zeros(S * triton.cdiv(T, PULL_BT), dtype=torch.int32, device=self.device)
+        self.queue = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.xl = torch.empty(S * T, H, dtype=x_dtype, device=self.device)
         self.xsl = torch.empty(S * T, G, dtype=torch.float32, device=self.device) if fp8 else None
         self.counts = self.sorted_rows = self.act = self.act_s = None
@@ -542,12 +699,12 @@ class SymmetricMemoryEPWorkspace:
         topk_ids: torch.Tensor,
         *,
         layer: str = "?",
+        on_phase=None,
     ) -> torch.Tensor:
-        """This rank's tokens through the experts of every rank: ``[T, H]``, as ``fused_moe``."""
-        out = None
-        for stage in self.stages(hidden_states, w13, w2, topk_weights, topk_ids, layer=layer):
-            out = stage()
-        return out
+        """This rank's tokens through the experts of every rank: ``[T, H]``, as ``fused_moe``.
+        ``on_phase(name)``, if given, is called (on the host, between launches) as the
+        ``"experts"`` and ``"combine"`` phases start: per-layer timing launches its stamps there."""
+        return _run_stages(self.stages(hidden_states, w13, w2, topk_weights, topk_ids, layer=layer), on_phase)
 
     def fused_moe_fp8(
         self,
@@ -561,15 +718,13 @@ class SymmetricMemoryEPWorkspace:
         *,
         layer: str = "?",
         block_shape=BLOCK_SHAPE,
+        on_phase=None,
     ) -> torch.Tensor:
         """As ``fused_moe`` with block-scaled FP8 experts (``quant="fp8"`` workspaces): bitwise the
         output of one-GPU ``fused_moe_fp8`` on the global inputs."""
-        out = None
         stages = self.stages(hidden_states, w13, w2, topk_weights, topk_ids, layer=layer,
                              scales=(w13_scale, w2_scale), block_shape=block_shape)
-        for stage in stages:
-            out = stage()
-        return out
+        return _run_stages(stages, on_phase)
 
     def stages(self, hidden_states, w13, w2, topk_weights, topk_ids, *, layer: str = "?", scales=None,
                block_shape=BLOCK_SHAPE):
@@ -642,14 +797,16 @@ class SymmetricMemoryEPWorkspace:
                 )
             return run
 
+        copy_block_h = min(1024, triton.next_power_of_2(H))
+
         def gather():
             bt = 4
             G = triton.cdiv(H, GROUP)
             _ep_gather_kernel[(S, triton.cdiv(T, bt))](
                 self.n_tab, self.ids_tab, self.x_tab, self.xs_tab if fp8 else self.x_tab, self.all_ids,
-                self.xl.view(torch.uint8) if fp8 else self.xl, self.xsl if fp8 else self.xl, expert_map,
+                self.xl.view(torch.uint8) if fp8 else self.xl, self.xsl if fp8 else self.xl, expert_map, self.queue,
                 T, H, G, self.num_global, num_local,
-                TOPK=K, K_PAD=k_pad, BT=bt, BLOCK_H=min(1024, triton.next_power_of_2(H)),
+                TOPK=K, K_PAD=k_pad, BT=bt, BLOCK_H=copy_block_h, COPY_ROWS=fp8,
                 SCALES=fp8, BLOCK_G=max(16, triton.next_power_of_2(G)) if fp8 else 16, num_warps=4,
             )
 
@@ -678,7 +835,12 @@ class SymmetricMemoryEPWorkspace:
                     scale_bn=scale_bn, interpret=interpret, **push_args,
                 )
             else:
-                launch_gemm1(self.xl, w13, self.act, self.sorted_rows, self.counts, rows_cap, K, g1, interpret=interpret)
+                # GEMM1 pulls its rows and starts each tile as they arrive (FP8 rows arrive in gather).
+                pull_args = (self.x_tab, self.all_ids, expert_map, self.ready, self.queue, self.state,
+                             S, T, self.num_global, self.ready.numel(), timeout_ns, self.max_spins)
+                launch_gemm1(self.xl, w13, self.act, self.sorted_rows, self.counts, rows_cap, K, g1, interpret=interpret,
+                             kernel=_ep_gemm1_pull_kernel, extra_args=pull_args,
+                             K_PAD=k_pad, BT=PULL_BT, BLOCK_H=copy_block_h, USE_TIMER=use_timer)
                 launch_gemm2(self.act, w2, y, self.sorted_rows, self.counts, rows_cap, g2, interpret=interpret, **push_args)
 
         def combine():

@@ -199,6 +199,86 @@ def _scatter_rows(acc, rows, row_ok, offs_n, n_ok, y_ptr, H, RNE_FIX: tl.constex
 
 
 @triton.jit
+def _gemm1_tile(
+    x_ptr, w_ptr, w_desc, act_ptr, tok, offs_m, row_ok, pid_n, e, start_e, H, I,
+    stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
+    GU_FUSED: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] tile of GEMM1 for expert ``e`` (A rows ``x[tok]``), SiLU(gate) * up
+    stored into ``act``. Shared with the expert-parallel GEMM1 that pulls its rows (ep_cuda.py)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < I
+    # A rows gathered from hidden_states by token index (no permuted copy).
+    a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    if GU_FUSED:
+        # One [BLOCK_K, 2*BLOCK_N] B tile whose columns interleave gate and up rows of w13, so
+        # a single dot (one wgmma chain of width 2*BLOCK_N) makes both; split in the epilogue.
+        offs_j = tl.arange(0, 2 * BLOCK_N)
+        n_j = pid_n * BLOCK_N + offs_j // 2
+        nj_ok = n_j < I
+        w_ptrs = w_base + (n_j + (offs_j % 2) * I)[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                if EVEN_N:
+                    b = tl.load(w_ptrs)
+                else:
+                    b = tl.load(w_ptrs, mask=nj_ok[None, :], other=0.0)
+            else:
+                k_ok = offs_k < H - k0
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(w_ptrs, mask=k_ok[:, None] & nj_ok[None, :], other=0.0)
+            acc = _dot(a, b, acc, DOT_IEEE, DOT_F32)
+            a_ptrs += BLOCK_K * stride_xh
+            w_ptrs += BLOCK_K * stride_wk
+        acc_g, acc_u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
+    else:
+        wg_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        wu_ptrs = wg_ptrs + I * stride_wn
+        row_g = e * (2 * I) + pid_n * BLOCK_N  # row of w13 viewed as [E*2I, H] (TMA path)
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            else:
+                k_ok = offs_k < H - k0
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if USE_TMA:
+                # Weight tiles by the tensor-memory accelerator (rows past I spill into the
+                # next rows of w13 and are masked at the store; past the tensor: zero fill).
+                bg = w_desc.load([row_g, k0]).T
+                bu = w_desc.load([row_g + I, k0]).T
+            elif EVEN_K:
+                if EVEN_N:
+                    bg = tl.load(wg_ptrs)
+                    bu = tl.load(wu_ptrs)
+                else:
+                    bg = tl.load(wg_ptrs, mask=n_ok[None, :], other=0.0)
+                    bu = tl.load(wu_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                bg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                bu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc_g = _dot(a, bg, acc_g, DOT_IEEE, DOT_F32)
+            acc_u = _dot(a, bu, acc_u, DOT_IEEE, DOT_F32)
+            a_ptrs += BLOCK_K * stride_xh
+            wg_ptrs += BLOCK_K * stride_wk
+            wu_ptrs += BLOCK_K * stride_wk
+    # Same rounding points as the reference: gate/up in the input dtype, SiLU*up in fp32.
+    out_ty = act_ptr.dtype.element_ty
+    gate = _cast(acc_g, out_ty, DOT_F32).to(tl.float32)
+    up = _cast(acc_u, out_ty, DOT_F32).to(tl.float32)
+    h = gate / (1.0 + tl.exp(-gate)) * up
+    act_ptrs = act_ptr + (start_e + offs_m)[:, None].to(tl.int64) * I + offs_n[None, :]
+    tl.store(act_ptrs, _cast(h, out_ty, DOT_F32), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def _moe_gemm1_kernel(
     x_ptr, w_ptr, w_desc, act_ptr, sorted_rows_ptr, counts_ptr,
     num_local, H, I, num_m,
@@ -213,75 +293,11 @@ def _moe_gemm1_kernel(
     )
     if in_use:
         offs_m, row_ok, rows = _tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
-        tok = (rows // TOPK).to(tl.int64)
-        offs_k = tl.arange(0, BLOCK_K)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < I
-        # A rows gathered from hidden_states by token index (no permuted copy).
-        a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
-        w_base = w_ptr + e.to(tl.int64) * stride_we
-        if GU_FUSED:
-            # One [BLOCK_K, 2*BLOCK_N] B tile whose columns interleave gate and up rows of w13, so
-            # a single dot (one wgmma chain of width 2*BLOCK_N) makes both; split in the epilogue.
-            offs_j = tl.arange(0, 2 * BLOCK_N)
-            n_j = pid_n * BLOCK_N + offs_j // 2
-            nj_ok = n_j < I
-            w_ptrs = w_base + (n_j + (offs_j % 2) * I)[None, :] * stride_wn + offs_k[:, None] * stride_wk
-            acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, H, BLOCK_K):
-                if EVEN_K:
-                    a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                    if EVEN_N:
-                        b = tl.load(w_ptrs)
-                    else:
-                        b = tl.load(w_ptrs, mask=nj_ok[None, :], other=0.0)
-                else:
-                    k_ok = offs_k < H - k0
-                    a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                    b = tl.load(w_ptrs, mask=k_ok[:, None] & nj_ok[None, :], other=0.0)
-                acc = _dot(a, b, acc, DOT_IEEE, DOT_F32)
-                a_ptrs += BLOCK_K * stride_xh
-                w_ptrs += BLOCK_K * stride_wk
-            acc_g, acc_u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
-        else:
-            wg_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-            wu_ptrs = wg_ptrs + I * stride_wn
-            row_g = e * (2 * I) + pid_n * BLOCK_N  # row of w13 viewed as [E*2I, H] (TMA path)
-            acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, H, BLOCK_K):
-                if EVEN_K:
-                    a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                else:
-                    k_ok = offs_k < H - k0
-                    a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                if USE_TMA:
-                    # Weight tiles by the tensor-memory accelerator (rows past I spill into the
-                    # next rows of w13 and are masked at the store; past the tensor: zero fill).
-                    bg = w_desc.load([row_g, k0]).T
-                    bu = w_desc.load([row_g + I, k0]).T
-                elif EVEN_K:
-                    if EVEN_N:
-                        bg = tl.load(wg_ptrs)
-                        bu = tl.load(wu_ptrs)
-                    else:
-                        bg = tl.load(wg_ptrs, mask=n_ok[None, :], other=0.0)
-                        bu = tl.load(wu_ptrs, mask=n_ok[None, :], other=0.0)
-                else:
-                    bg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                    bu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                acc_g = _dot(a, bg, acc_g, DOT_IEEE, DOT_F32)
-                acc_u = _dot(a, bu, acc_u, DOT_IEEE, DOT_F32)
-                a_ptrs += BLOCK_K * stride_xh
-                wg_ptrs += BLOCK_K * stride_wk
-                wu_ptrs += BLOCK_K * stride_wk
-        # Same rounding points as the reference: gate/up in the input dtype, SiLU*up in fp32.
-        out_ty = act_ptr.dtype.element_ty
-        gate = _cast(acc_g, out_ty, DOT_F32).to(tl.float32)
-        up = _cast(acc_u, out_ty, DOT_F32).to(tl.float32)
-        h = gate / (1.0 + tl.exp(-gate)) * up
-        act_ptrs = act_ptr + (start_e + offs_m)[:, None].to(tl.int64) * I + offs_n[None, :]
-        tl.store(act_ptrs, _cast(h, out_ty, DOT_F32), mask=row_ok[:, None] & n_ok[None, :])
+        _gemm1_tile(
+            x_ptr, w_ptr, w_desc, act_ptr, (rows // TOPK).to(tl.int64), offs_m, row_ok, pid_n, e, start_e, H, I,
+            stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, GU_FUSED, USE_TMA,
+        )
 
 
 @triton.jit
@@ -496,10 +512,15 @@ def launch_gemm1(
     config: dict,
     *,
     interpret: bool,
+    kernel=None,
+    extra_args: tuple = (),
+    **extra_constexprs,
 ) -> None:
     """``_moe_gemm1_kernel``: ``act[i] = silu(x[t] @ gate.T) * (x[t] @ up.T)`` for the ``i``-th
     scheduled row ``t * top_k + k`` (``rows`` of them at most; ``x`` rows gathered by token).
-    ``config`` is GEMM1's entry of ``pick_configs``. ``w13`` has ``num_local >= 1`` experts."""
+    ``config`` is GEMM1's entry of ``pick_configs``. ``w13`` has ``num_local >= 1`` experts.
+    ``kernel`` replaces it by a kernel with the same leading parameters (the expert-parallel
+    GEMM1 that pulls its rows), ``extra_args`` / ``extra_constexprs`` being its own ones."""
     num_local, two_i, hidden = w13.shape
     inter = two_i // 2
     g = _gemm_config(config, act, interpret, GU_FUSED=False, GROUP_M=1)
@@ -511,14 +532,14 @@ def launch_gemm1(
         else:
             g["USE_TMA"] = False
     num_m = _max_row_tiles(rows, num_local, bm)
-    _moe_gemm1_kernel[(num_m * triton.cdiv(inter, bn),)](
+    (_moe_gemm1_kernel if kernel is None else kernel)[(num_m * triton.cdiv(inter, bn),)](
         x, w13, w13_desc, act, sorted_rows, counts,
         num_local, hidden, inter, num_m,
-        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
+        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), *extra_args,
         TOPK=top_k, E_PAD=_e_pad(num_local),
         EVEN_K=hidden % g["BLOCK_K"] == 0, EVEN_N=inter % bn == 0,
         DOT_IEEE=act.dtype == torch.float32 or interpret, DOT_F32=interpret,
-        **g,
+        **extra_constexprs, **g,
     )
 
 

@@ -135,6 +135,28 @@ def test_replicated_tokens():
             assert torch.equal(out, expected)
 
 
+def test_phase_hook_brackets_the_expert_gemms():
+    (ws,), placement, _ = make_ranks(1, 4)
+    x, w13, w2, weights, ids = global_inputs(60, [5], 4)
+    seen = []
+    out = ws.fused_moe(x, w13, w2, weights, ids, on_phase=seen.append)
+    assert seen == ["experts", "combine"]
+    assert torch.equal(out, tm.fused_moe_triton(x, w13, w2, weights, ids))
+    # Where the hook runs: right before and right after the GEMM step.
+    log = []
+
+    def step(name):
+        def run():
+            log.append(name)
+            return name
+        run.__name__ = name
+        return run
+
+    stages = [step(n) for n in ("post", "sync", "gather", "schedule", "gemms", "sync", "combine")]
+    assert ep_cuda._run_stages(stages, log.append) == "combine"
+    assert log == ["post", "sync", "gather", "schedule", "experts", "gemms", "combine", "sync", "combine"]
+
+
 def test_pull_is_each_token_once_per_destination():
     # Rank 1 needs source 0's tokens whose experts live on rank 1: exactly those rows arrive in xl.
     world, num_experts = 2, 8
