@@ -516,7 +516,9 @@ class SymmetricMemoryEPWorkspace:
 
     ``return_mode``: ``"pull"`` (the home rank reads its k results from the owners) or ``"push"``
     (owners write them into the home rank's segment from GEMM2's epilogue); both give bitwise the
-    same output. ``timeout_s`` bounds every wait (see the module docstring for how a timeout is
+    same output. ``pull_in_gemm1=False`` pulls every token row in the ``gather`` kernel before
+    GEMM1 starts instead of inside GEMM1 (no transfer/compute overlap; kept to measure the
+    overlap, and what FP8 workspaces do). ``timeout_s`` bounds every wait (see the module docstring for how a timeout is
     reported). The call is CUDA-graph capturable (fixed token count per graph).
 
     ``quant="fp8"``: a workspace for block-scaled FP8 experts, called through ``fused_moe_fp8``
@@ -536,6 +538,7 @@ class SymmetricMemoryEPWorkspace:
         replicated_tokens: bool = False,
         timeout_s: float = float(os.environ.get("MOK_EP_TIMEOUT_S", "120")),
         return_mode: str = os.environ.get("MOK_EP_RETURN", "pull"),
+        pull_in_gemm1: bool = os.environ.get("MOK_EP_PULL_IN_GEMM1", "1") != "0",
         sync_check: bool = os.environ.get("MOK_EP_SYNC_CHECK", "0") not in ("", "0"),
         quant: str | None = None,
         _simulated: tuple[int, list[torch.Tensor]] | None = None,
@@ -564,6 +567,7 @@ class SymmetricMemoryEPWorkspace:
         self.replicated = replicated_tokens
         self.timeout_s = timeout_s
         self.return_mode = "pull" if replicated_tokens else return_mode
+        self.pull_in_gemm1 = pull_in_gemm1
         self.sync_check = sync_check
         self.interpret = _interpreting()
         self.max_spins = _max_spins if _max_spins is not None else (2**62 if not self.interpret else 10_000)
@@ -776,6 +780,7 @@ class SymmetricMemoryEPWorkspace:
         k_pad = max(2, triton.next_power_of_2(K))
         out = torch.empty((tokens, H), dtype=self.dtype, device=dev)
         push = self.return_mode == "push"
+        gemm1_pulls = self.pull_in_gemm1 and not fp8
 
         def post():
             bt = 4
@@ -806,7 +811,7 @@ class SymmetricMemoryEPWorkspace:
                 self.n_tab, self.ids_tab, self.x_tab, self.xs_tab if fp8 else self.x_tab, self.all_ids,
                 self.xl.view(torch.uint8) if fp8 else self.xl, self.xsl if fp8 else self.xl, expert_map, self.queue,
                 T, H, G, self.num_global, num_local,
-                TOPK=K, K_PAD=k_pad, BT=bt, BLOCK_H=copy_block_h, COPY_ROWS=fp8,
+                TOPK=K, K_PAD=k_pad, BT=bt, BLOCK_H=copy_block_h, COPY_ROWS=not gemm1_pulls,
                 SCALES=fp8, BLOCK_G=max(16, triton.next_power_of_2(G)) if fp8 else 16, num_warps=4,
             )
 
@@ -835,12 +840,14 @@ class SymmetricMemoryEPWorkspace:
                     scale_bn=scale_bn, interpret=interpret, **push_args,
                 )
             else:
-                # GEMM1 pulls its rows and starts each tile as they arrive (FP8 rows arrive in gather).
-                pull_args = (self.x_tab, self.all_ids, expert_map, self.ready, self.queue, self.state,
-                             S, T, self.num_global, self.ready.numel(), timeout_ns, self.max_spins)
+                pull = {}
+                if gemm1_pulls:  # GEMM1 pulls its rows and starts each tile as they arrive
+                    pull_args = (self.x_tab, self.all_ids, expert_map, self.ready, self.queue, self.state,
+                                 S, T, self.num_global, self.ready.numel(), timeout_ns, self.max_spins)
+                    pull = dict(kernel=_ep_gemm1_pull_kernel, extra_args=pull_args,
+                                K_PAD=k_pad, BT=PULL_BT, BLOCK_H=copy_block_h, USE_TIMER=use_timer)
                 launch_gemm1(self.xl, w13, self.act, self.sorted_rows, self.counts, rows_cap, K, g1, interpret=interpret,
-                             kernel=_ep_gemm1_pull_kernel, extra_args=pull_args,
-                             K_PAD=k_pad, BT=PULL_BT, BLOCK_H=copy_block_h, USE_TIMER=use_timer)
+                             **pull)
                 launch_gemm2(self.act, w2, y, self.sorted_rows, self.counts, rows_cap, g2, interpret=interpret, **push_args)
 
         def combine():

@@ -5,7 +5,9 @@ Per model shape of ``configs/model_shapes.json``, tokens per rank and routing (u
 half of all (token, k) assignments to expert 0), in the same run:
 
 - kittens-pull / kittens-push: ``SymmetricMemoryEPWorkspace.fused_moe`` (workspace sized to the
-  row's tokens per rank), captured in a CUDA graph;
+  row's tokens per rank), captured in a CUDA graph; and (bf16) gather-first: pull return with every
+  token row pulled by a separate kernel before GEMM1 (``pull_in_gemm1=False``), to measure what
+  starting GEMM1 tiles as their rows arrive gains;
 - a2a: NCCL ``all_to_all_single`` of every (token, k) row (split sizes exchanged first: a host
   sync), argsort, ``torch._grouped_mm`` x2, ``all_to_all_single`` back, fp32 weighted sum;
 - agrs: all-gather tokens, local experts (grouped_mm) over the gathered rows they own,
@@ -312,10 +314,13 @@ def run_rank(rank, world, args):
                         refresh()
                         return agrs_moe(x, ids, tw, w13, w2, emap, world, group)
 
+                    # (return mode, rows pulled inside GEMM1); "gather": all rows pulled before GEMM1.
+                    variants = {"pull": ("pull", True), "push": ("push", True)}
+                    if not fp8:
+                        variants["gather"] = ("pull", False)
                     impls = {}
                     res = {}
-                    for mode in ("pull", "push"):
-                        ws.return_mode = mode
+                    for mode, (ws.return_mode, ws.pull_in_gemm1) in variants.items():
                         res[mode] = kittens()
                     base_ok = True
                     try:
@@ -330,10 +335,9 @@ def run_rank(rank, world, args):
                     ws.check_errors()
                     ref = res["a2a"].float()
                     errs = {k: ((v.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item() for k, v in res.items()}
-                    errs["pull_eq_push"] = bool(torch.equal(res["pull"], res["push"]))
+                    errs["variants_equal"] = all(torch.equal(res["pull"], res[m]) for m in variants)
                     times, waits = {}, {}
-                    for mode in ("pull", "push"):
-                        ws.return_mode = mode
+                    for mode, (ws.return_mode, ws.pull_in_gemm1) in variants.items():
                         try:
                             gr = as_graph(kittens)
                             fn, how = gr.replay, "graph"
@@ -397,8 +401,8 @@ def summarize(per_rank):
                         ("nvlink", bound_t["nvlink"] / PEAK_NVLINK)), key=lambda p: p[1])[0]
     row["wait_us"] = {m: statistics.median([max(r["waits_ns"][m][i] for r in per_rank) for i in range(iters)]) / 1e3
                       for m in r0["waits_ns"]}
-    row["rel_err_vs_a2a"] = {k: max(r["errs"][k] for r in per_rank) for k in r0["errs"] if k != "pull_eq_push"}
-    row["pull_eq_push"] = all(r["errs"]["pull_eq_push"] for r in per_rank)
+    row["rel_err_vs_a2a"] = {k: max(r["errs"][k] for r in per_rank) for k in r0["errs"] if k != "variants_equal"}
+    row["variants_equal"] = all(r["errs"]["variants_equal"] for r in per_rank)  # bitwise: pull, push, gather
     best_k = min(ms["kittens_pull"], ms["kittens_push"])
     row["default"] = "pull" if ms["kittens_pull"] <= ms["kittens_push"] else "push"
     row["kittens_ms"] = ms["kittens_pull"]
@@ -410,7 +414,7 @@ def summarize(per_rank):
     # FP8: a2a keeps bf16 activations (experts dequantized), kittens quantizes x and the activation.
     row["err_limit"] = 8e-2 if row["quant"].startswith("fp8") else 2e-2
     row["peak_flops"] = terms[0].get("peak_flops", PEAK_FLOPS)
-    ok = row["rel_err_vs_a2a"]["pull"] <= row["err_limit"] and row["pull_eq_push"]
+    ok = row["rel_err_vs_a2a"]["pull"] <= row["err_limit"] and row["variants_equal"]
     if row["tokens"] >= 128:
         target = "<= 1.25x floor"
         ok = ok and row["ratio_to_floor"] <= 1.25
@@ -427,8 +431,9 @@ def format_row(r):
     if "error" in r:
         return f"{tag}{r['shape']:16s} T={r['tokens']:5d} {r['routing']:7s} ERROR"
     ms = r["ms"]
+    gather = f" gather-first {ms['kittens_gather']:8.3f}" if "kittens_gather" in ms else ""
     return (f"{tag}{r['shape']:16s} T={r['tokens']:5d} {r['routing']:7s} pull {ms['kittens_pull']:8.3f} push "
-            f"{ms['kittens_push']:8.3f} ms floor {r['floor_ms']:7.3f} ({r['bound']:7s}) x{r['ratio_to_floor']:5.2f} "
+            f"{ms['kittens_push']:8.3f}{gather} ms floor {r['floor_ms']:7.3f} ({r['bound']:7s}) x{r['ratio_to_floor']:5.2f} "
             f"a2a {ms['a2a']:8.3f} agrs {ms['agrs']:8.3f} best/k x{r['speedup_vs_best_baseline']:5.2f} "
             f"NVL {r['nvlink_GBps']:6.1f} GB/s wait(C) pull {r['wait_us']['pull']:7.1f} push {r['wait_us']['push']:7.1f} us "
             f"err {r['rel_err_vs_a2a']['pull']:.1e} {'OK' if r['target_met'] else 'MISS ' + r['target']}")
@@ -450,20 +455,23 @@ def markdown(rows, meta):
     else:
         head = [f"# Expert-parallel layer benchmark ({meta['world']} x {meta['gpu']}, commit {meta['commit']})", "",
                 "Time: median over iterations of the max across ranks, ms. Floor = max over ranks of max(FLOPs/790e12, "
-                "HBM bytes/4.4e12, NVLink bytes in/3.3e11). kittens = pull return (default). wait(C): device time "
-                "in the wait for the completion (COMPUTED) flags, median of the max across ranks.", ""]
+                "HBM bytes/4.4e12, NVLink bytes in/3.3e11). kittens = pull return (default), token rows pulled "
+                "inside GEMM1 (tiles start as their rows arrive); gather-first: the same with every row pulled "
+                "by a separate kernel before GEMM1 (no overlap). wait(C): device time in the wait for the "
+                "completion (COMPUTED) flags, median of the max across ranks.", ""]
     out = head + [
-           "| shape | tokens/rank | routing | kittens pull | kittens push | a2a | agrs | floor (bound) | x floor | "
-           "best baseline / kittens | NVLink GB/s | wait(C) pull us | wait(C) push us | target |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| shape | tokens/rank | routing | kittens pull | kittens push | gather-first | a2a | agrs | floor (bound) | "
+           "x floor | best baseline / kittens | NVLink GB/s | wait(C) pull us | wait(C) push us | target |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['shape']} | {r['tokens']} | {r['routing']} | error | | | | | | | | | | |")
+            out.append(f"| {r['shape']} | {r['tokens']} | {r['routing']} | error | | | | | | | | | | | |")
             continue
         ms = r["ms"]
+        gather = f"{ms['kittens_gather']:.3f}" if "kittens_gather" in ms else "-"
         out.append(
             f"| {r['shape']} | {r['tokens']} | {r['routing']} | {ms['kittens_pull']:.3f} | {ms['kittens_push']:.3f} | "
-            f"{ms['a2a']:.3f} | {ms['agrs']:.3f} | {r['floor_ms']:.3f} ({r['bound']}) | {r['ratio_to_floor']:.2f} | "
+            f"{gather} | {ms['a2a']:.3f} | {ms['agrs']:.3f} | {r['floor_ms']:.3f} ({r['bound']}) | {r['ratio_to_floor']:.2f} | "
             f"{r['speedup_vs_best_baseline']:.2f} | {r['nvlink_GBps']:.1f} | {r['wait_us']['pull']:.1f} | "
             f"{r['wait_us']['push']:.1f} | {'met' if r['target_met'] else 'MISS ' + r['target']} |")
     return "\n".join(out) + "\n"
