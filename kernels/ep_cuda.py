@@ -106,7 +106,7 @@ POSTED, COMPUTED = 0, 1
 NUM_SLOTS = 2
 ROWS = 2  # error code only: GEMM1 waited in vain for pulled rows (no flag slot)
 _ROWS_ERR = tl.constexpr(1 + ROWS)
-PULL_BT = 4  # tokens per pulled chunk (one ready flag each)
+PULL_BT = 16  # tokens per pulled chunk (one claim and one ready flag each)
 # state (local int64 words): epoch, error code (slot + 1), error peer, error epoch, wait ns per slot
 ST_EPOCH, ST_ERR, ST_ERR_PEER, ST_ERR_EPOCH, ST_WAIT = 0, 1, 2, 3, 4
 STATE_WORDS = 8

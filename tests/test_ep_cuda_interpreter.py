@@ -39,6 +39,7 @@ if (
     ep_cuda = importlib.reload(ep_cuda)
 
 HIDDEN, INTER, TOP_K, MAX_T = 32, 16, 4, 8
+ep_cuda.PULL_BT = 2  # several pulled chunks per source at these sizes
 
 
 def global_inputs(seed, counts, num_experts, routing="uniform"):
