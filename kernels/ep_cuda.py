@@ -301,22 +301,24 @@ def _ep_gemm1_pull_kernel(
         chunk = ((tok % max_tokens) // BT).to(tl.int32) * sources + src
         last = tl.max(tl.where(row_ok, chunk, -1), axis=0)
         epoch = tl.load(state_ptr + 0).to(tl.int32)
-        head = tl.atomic_add(queue_ptr, 0)
+        head = tl.load(queue_ptr, volatile=True)
         while head <= last:
             c = tl.atomic_add(queue_ptr, 1)
             if c < num_chunks:
                 _ep_pull_chunk(c, xtab_ptr, all_ids_ptr, x_ptr, emap_ptr, ready_ptr, epoch, sources, max_tokens,
                                H, num_global, num_local, TOPK, K_PAD, BT, BLOCK_H)
             head = c + 1
-        # Bounded wait for the chunks pulled by other programs.
-        flag = tl.atomic_add(ready_ptr + chunk, 0, mask=row_ok, sem="acquire", scope="gpu")
+        # Bounded wait for the chunks pulled by other programs: poll with plain volatile loads (many
+        # tiles poll the same flags; atomics would contend with the pullers' releases), then one
+        # acquire read orders this tile's loads of the rows after the pullers' stores.
+        flag = tl.load(ready_ptr + chunk, mask=row_ok, other=0, volatile=True)
         pending = tl.sum((row_ok & (flag != epoch)).to(tl.int32), axis=0)
         err = tl.load(state_ptr + 1, volatile=True)
         spins = tl.full((), 0, tl.int64)
         t0 = _now(USE_TIMER)
         elapsed = tl.full((), 0, tl.int64)
         while (pending > 0) & (err == 0) & (spins < max_spins) & (elapsed < timeout_ns):
-            flag = tl.atomic_add(ready_ptr + chunk, 0, mask=row_ok, sem="acquire", scope="gpu")
+            flag = tl.load(ready_ptr + chunk, mask=row_ok, other=0, volatile=True)
             pending = tl.sum((row_ok & (flag != epoch)).to(tl.int32), axis=0)
             err = tl.load(state_ptr + 1, volatile=True)
             spins += 1
@@ -326,6 +328,7 @@ def _ep_gemm1_pull_kernel(
             tl.store(state_ptr + 2, late.to(tl.int64))
             tl.store(state_ptr + 3, epoch.to(tl.int64))
             tl.store(state_ptr + 1, tl.full((), _ROWS_ERR, tl.int64))
+        tl.atomic_add(ready_ptr + chunk, 0, mask=row_ok, sem="acquire", scope="gpu")
         tl.debug_barrier()
         _gemm1_tile(
             x_ptr, w_ptr, w_desc, act_ptr, tok, offs_m, row_ok, pid_n, e, start_e, H, I,
