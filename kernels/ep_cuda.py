@@ -24,20 +24,21 @@ One call, on rank ``me`` (launches in stream order; epoch ``e``):
 2. ``sync(POSTED)``: ``e = epoch + 1``; release-store ``e`` into every peer's ``flags[POSTED, me]``,
    then wait (bounded) until every peer's ``flags[POSTED, p] >= e``.
 3. ``gather``: read every source's ``n`` and top-k ids from its segment into ``all_ids
-   [S * maxT, K]`` (``-1`` past ``n``). FP8 workspaces also **pull** here each source token row
-   that has at least one local expert, once, from the source's ``x`` into ``xl [S * maxT, H]``.
+   [S * maxT, K]`` (``-1`` past ``n``), and **pull** each source token row that has at least one
+   local expert, once, from the source's ``x`` into ``xl [S * maxT, H]`` (unless GEMM1 pulls).
 4. ``schedule``: ``triton_moe``'s prefix-sum schedule over ``all_ids`` with this rank's expert map:
    per local expert, its rows in (source rank, token, k) order; positions by prefix sums only.
 5. ``gemm1`` / ``gemm2``: ``triton_moe``'s grouped GEMM tiles (same block sizes rule, BLOCK_K per
-   shape, no split-K). bf16 GEMM1 (``_ep_gemm1_pull_kernel``) **pulls** the rows itself, each
-   needed row once, straight from the source's ``x`` into ``xl``: chunks of ``PULL_BT`` tokens
+   shape, no split-K). With ``pull_in_gemm1`` (bf16, opt-in: ``MOK_EP_PULL_IN_GEMM1=1`` until it
+   is measured on 2 GPUs, kernels/NOTES.md) GEMM1 (``_ep_gemm1_pull_kernel``) pulls the rows
+   itself, each needed row once, from the source's ``x`` into ``xl``: chunks of ``PULL_BT`` tokens
    are claimed from a queue, copied and flagged ready (an epoch per chunk, release at GPU scope),
    and each tile starts once the chunks of its rows are ready (acquire, bounded wait), so tiles
-   compute while other chunks are still crossing NVLink (tiles keep the one-GPU expert-major
-   order: a token-major order, tried, let early tiles start sooner but read every expert's
-   weights once per tier, 16-25% slower at 8192 tokens). GEMM2 writes row ``(s, t, k)`` to ``y`` (pull return) or, with
-   ``return_mode="push"``, straight into ``ret`` of rank ``s`` at ``t * K + k`` (remote stores in
-   the epilogue).
+   compute while other chunks are still crossing NVLink. Tiles keep the one-GPU expert-major
+   order (a token-major order, tried, lets early tiles start sooner but reads every expert's
+   weights once per tier: 16-25% slower at 8192 tokens on one H200). GEMM2 writes row
+   ``(s, t, k)`` to ``y`` (pull return) or, with ``return_mode="push"``, straight into ``ret`` of
+   rank ``s`` at ``t * K + k`` (remote stores in the epilogue).
 6. ``sync(COMPUTED)``: release-store ``e`` into every peer's ``flags[COMPUTED, me]``; wait for all.
 7. ``combine``: ``out[t] = sum_k w[t, k] * y_k`` in fp32 in k order, where ``y_k`` is pulled from
    the owner of expert ``ids[t, k]`` (its ``y`` row ``(me * maxT + t) * K + k``) or read from the
@@ -59,9 +60,9 @@ call (or ``check_errors()``, which synchronises) raises it. With ``MOK_EP_SYNC_C
 ``sync_check=True``) every call synchronises and raises at once (debug mode). Under CUDA-graph
 replay only ``check_errors()`` reports.
 
-Not done (see kernels/NOTES.md "Expert parallel"): FP8 rows are pulled before GEMM1 (by
-``gather``), not by the GEMM; GEMM2 and the return do not overlap; grids are sized for the
-workspace limit ``max_tokens_per_rank``, not the call's tokens.
+Not done (see kernels/NOTES.md "Expert parallel"): the in-GEMM1 pull is not the default yet
+and FP8 rows are always pulled before GEMM1; GEMM2 and the return do not overlap; grids are sized
+for the workspace limit ``max_tokens_per_rank``, not the call's tokens.
 """
 
 from __future__ import annotations
@@ -279,18 +280,24 @@ def _ep_gemm1_pull_kernel(
     num_local, H, I, num_m,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
     xtab_ptr, all_ids_ptr, emap_ptr, ready_ptr, queue_ptr, state_ptr,
-    sources, max_tokens, num_global, num_chunks, timeout_ns, max_spins,
+    sources, max_tokens, num_global, num_chunks, max_polls,
     TOPK: tl.constexpr, E_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
     GU_FUSED: tl.constexpr, USE_TMA: tl.constexpr, GROUP_M: tl.constexpr,
-    K_PAD: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr, USE_TIMER: tl.constexpr,
+    K_PAD: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """GEMM1 that pulls its own A rows (``x_ptr`` is ``xl``): chunks of ``BT`` source tokens are
     claimed in order from a queue, pulled and flagged ready; a tile starts as soon as the chunks
     of its rows are ready, not after all rows have arrived. A tile first claims chunks until
     every chunk it reads has been claimed: a claimed chunk's puller never waits on anything, so
-    no tile ever waits on a program that has not started (no deadlock, whatever the scheduling)."""
+    no tile ever waits on a program that has not started (no deadlock, whatever the scheduling).
+
+    Every loop condition is the same in all threads of the program (values from scalar atomics,
+    which Triton broadcasts, and from reductions): the loops contain barriers (the pull's, the
+    reductions'), and threads that disagree on a trip count would hang there. So the wait is
+    bounded by a poll count, not by per-thread clock reads; it waits only for chunks that
+    programs of this kernel have claimed, never for a peer."""
     in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
         counts_ptr, num_local, num_m, I, BLOCK_N, E_PAD, BLOCK_M, GROUP_M
     )
@@ -301,29 +308,24 @@ def _ep_gemm1_pull_kernel(
         chunk = ((tok % max_tokens) // BT).to(tl.int32) * sources + src
         last = tl.max(tl.where(row_ok, chunk, -1), axis=0)
         epoch = tl.load(state_ptr + 0).to(tl.int32)
-        head = tl.load(queue_ptr, volatile=True)
+        head = tl.atomic_add(queue_ptr, 0, sem="relaxed")
         while head <= last:
-            c = tl.atomic_add(queue_ptr, 1)
+            c = tl.atomic_add(queue_ptr, 1, sem="relaxed")
             if c < num_chunks:
                 _ep_pull_chunk(c, xtab_ptr, all_ids_ptr, x_ptr, emap_ptr, ready_ptr, epoch, sources, max_tokens,
                                H, num_global, num_local, TOPK, K_PAD, BT, BLOCK_H)
             head = c + 1
-        # Bounded wait for the chunks pulled by other programs: poll with plain volatile loads (many
-        # tiles poll the same flags; atomics would contend with the pullers' releases), then one
-        # acquire read orders this tile's loads of the rows after the pullers' stores.
+        # Wait for the chunks pulled by other programs: poll with plain volatile loads (many tiles
+        # poll the same flags; atomics would contend with the pullers' releases), then one acquire
+        # read orders this tile's loads of the rows after the pullers' stores.
         flag = tl.load(ready_ptr + chunk, mask=row_ok, other=0, volatile=True)
         pending = tl.sum((row_ok & (flag != epoch)).to(tl.int32), axis=0)
-        err = tl.load(state_ptr + 1, volatile=True)
-        spins = tl.full((), 0, tl.int64)
-        t0 = _now(USE_TIMER)
-        elapsed = tl.full((), 0, tl.int64)
-        while (pending > 0) & (err == 0) & (spins < max_spins) & (elapsed < timeout_ns):
+        polls = 0
+        while (pending > 0) & (polls < max_polls):
             flag = tl.load(ready_ptr + chunk, mask=row_ok, other=0, volatile=True)
             pending = tl.sum((row_ok & (flag != epoch)).to(tl.int32), axis=0)
-            err = tl.load(state_ptr + 1, volatile=True)
-            spins += 1
-            elapsed = _now(USE_TIMER) - t0
-        if (pending > 0) & (err == 0):
+            polls += 1
+        if pending > 0:
             late = tl.min(tl.where(row_ok & (flag != epoch), src, sources), axis=0)
             tl.store(state_ptr + 2, late.to(tl.int64))
             tl.store(state_ptr + 3, epoch.to(tl.int64))
@@ -486,9 +488,9 @@ class SymmetricMemoryEPWorkspace:
 
     ``return_mode``: ``"pull"`` (the home rank reads its k results from the owners) or ``"push"``
     (owners write them into the home rank's segment from GEMM2's epilogue); both give bitwise the
-    same output. ``pull_in_gemm1=False`` pulls every token row in the ``gather`` kernel before
-    GEMM1 starts instead of inside GEMM1 (no transfer/compute overlap; kept to measure the
-    overlap, and what FP8 workspaces do). ``timeout_s`` bounds every wait (see the module docstring for how a timeout is
+    same output. ``pull_in_gemm1=True`` (bf16) pulls the token rows inside GEMM1, whose tiles start
+    as their rows arrive, instead of in the ``gather`` kernel before GEMM1 (the default until the
+    overlap is measured on 2 GPUs; FP8 workspaces always gather first). ``timeout_s`` bounds every wait (see the module docstring for how a timeout is
     reported). The call is CUDA-graph capturable (fixed token count per graph).
 
     ``quant="fp8"``: a workspace for block-scaled FP8 experts, called through ``fused_moe_fp8``
@@ -508,7 +510,7 @@ class SymmetricMemoryEPWorkspace:
         replicated_tokens: bool = False,
         timeout_s: float = float(os.environ.get("MOK_EP_TIMEOUT_S", "120")),
         return_mode: str = os.environ.get("MOK_EP_RETURN", "pull"),
-        pull_in_gemm1: bool = os.environ.get("MOK_EP_PULL_IN_GEMM1", "1") != "0",
+        pull_in_gemm1: bool = os.environ.get("MOK_EP_PULL_IN_GEMM1", "0") not in ("", "0"),
         sync_check: bool = os.environ.get("MOK_EP_SYNC_CHECK", "0") not in ("", "0"),
         quant: str | None = None,
         _simulated: tuple[int, list[torch.Tensor]] | None = None,
@@ -541,6 +543,8 @@ class SymmetricMemoryEPWorkspace:
         self.sync_check = sync_check
         self.interpret = _interpreting()
         self.max_spins = _max_spins if _max_spins is not None else (2**62 if not self.interpret else 10_000)
+        # GEMM1's wait for pulled rows counts polls (each at least an L2 round trip, ~0.5 us).
+        self.max_polls = min(self.max_spins, int(timeout_s * 2e6))
         self.sources = 1 if replicated_tokens else self.world_size
         elem = torch.tensor([], dtype=dtype).element_size()
         self.layout = lay = _Layout(
@@ -813,9 +817,9 @@ class SymmetricMemoryEPWorkspace:
                 pull = {}
                 if gemm1_pulls:  # GEMM1 pulls its rows and starts each tile as they arrive
                     pull_args = (self.x_tab, self.all_ids, expert_map, self.ready, self.queue, self.state,
-                                 S, T, self.num_global, self.ready.numel(), timeout_ns, self.max_spins)
+                                 S, T, self.num_global, self.ready.numel(), self.max_polls)
                     pull = dict(kernel=_ep_gemm1_pull_kernel, extra_args=pull_args,
-                                K_PAD=k_pad, BT=PULL_BT, BLOCK_H=copy_block_h, USE_TIMER=use_timer)
+                                K_PAD=k_pad, BT=PULL_BT, BLOCK_H=copy_block_h)
                 launch_gemm1(self.xl, w13, self.act, self.sorted_rows, self.counts, rows_cap, K, g1, interpret=interpret,
                              **pull)
                 launch_gemm2(self.act, w2, y, self.sorted_rows, self.counts, rows_cap, g2, interpret=interpret, **push_args)

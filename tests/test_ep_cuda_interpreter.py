@@ -58,7 +58,8 @@ def global_inputs(seed, counts, num_experts, routing="uniform"):
     return x, w13, w2, weights, ids
 
 
-def make_ranks(world, num_experts, replicated=False, return_mode="pull", max_spins=None, quant=None, hidden=HIDDEN):
+def make_ranks(world, num_experts, replicated=False, return_mode="pull", max_spins=None, quant=None, hidden=HIDDEN,
+               pull_in_gemm1=False):
     placement = ep_cuda.ExpertPlacement.linear(num_experts, world)
     sources = 1 if replicated else world
     total = ep_cuda._Layout(world, sources, MAX_T, hidden, TOP_K, 2, fp8=quant == "fp8").total
@@ -67,7 +68,7 @@ def make_ranks(world, num_experts, replicated=False, return_mode="pull", max_spi
         ep_cuda.SymmetricMemoryEPWorkspace(
             None, max_tokens_per_rank=MAX_T, hidden_size=hidden, top_k=TOP_K, dtype=torch.bfloat16,
             placement=placement, replicated_tokens=replicated, timeout_s=1.0, return_mode=return_mode,
-            quant=quant, _simulated=(r, segments), _max_spins=max_spins,
+            quant=quant, pull_in_gemm1=pull_in_gemm1, _simulated=(r, segments), _max_spins=max_spins,
         )
         for r in range(world)
     ]
@@ -98,10 +99,13 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("world,return_mode,cases", [(2, "pull", CASES), (2, "push", CASES[:2]), (3, "pull", CASES[1:3])])
-def test_ep_equals_one_gpu_kernel_bitwise(world, return_mode, cases):
+@pytest.mark.parametrize(
+    "world,return_mode,pull_in_gemm1,cases",
+    [(2, "pull", False, CASES), (2, "pull", True, CASES), (2, "push", True, CASES[:2]), (3, "pull", True, CASES[1:3])],
+)
+def test_ep_equals_one_gpu_kernel_bitwise(world, return_mode, pull_in_gemm1, cases):
     num_experts = 4 * world
-    ranks, placement, _ = make_ranks(world, num_experts, return_mode=return_mode)
+    ranks, placement, _ = make_ranks(world, num_experts, return_mode=return_mode, pull_in_gemm1=pull_in_gemm1)
     for call, (counts, routing) in enumerate(cases):
         counts = counts[:world]
         x, w13, w2, weights, ids = global_inputs(10 + call, counts, num_experts, routing)
@@ -137,7 +141,7 @@ def test_replicated_tokens():
 
 
 def test_phase_hook_brackets_the_expert_gemms():
-    (ws,), placement, _ = make_ranks(1, 4)
+    (ws,), placement, _ = make_ranks(1, 4, pull_in_gemm1=True)
     x, w13, w2, weights, ids = global_inputs(60, [5], 4)
     seen = []
     out = ws.fused_moe(x, w13, w2, weights, ids, on_phase=seen.append)
@@ -158,10 +162,12 @@ def test_phase_hook_brackets_the_expert_gemms():
     assert log == ["post", "sync", "gather", "schedule", "experts", "gemms", "combine", "sync", "combine"]
 
 
-def test_pull_is_each_token_once_per_destination():
+@pytest.mark.parametrize("pull_in_gemm1", [False, True])
+def test_pull_is_each_token_once_per_destination(pull_in_gemm1):
     # Rank 1 needs source 0's tokens whose experts live on rank 1: exactly those rows arrive in xl.
     world, num_experts = 2, 8
-    ranks, placement, _ = make_ranks(world, num_experts)
+    ranks, placement, _ = make_ranks(world, num_experts, pull_in_gemm1=pull_in_gemm1)
+    ranks[1].xl.fill_(float("nan"))  # poison: rows nobody pulls stay NaN
     counts = (7, 3)
     x, w13, w2, weights, ids = global_inputs(77, counts, num_experts)
     args = []
@@ -172,6 +178,7 @@ def test_pull_is_each_token_once_per_destination():
     ws = ranks[1]
     need = (placement.owner[ids[:7].long()] == 1).any(dim=1)
     assert torch.equal(ws.xl[: 7][need], x[:7][need])
+    assert ws.xl[: 7][~need].isnan().all() and ws.xl[7:MAX_T].isnan().all()
     assert (ws.all_ids[7:MAX_T] == -1).all() and torch.equal(ws.all_ids[:7], ids[:7])
 
 
