@@ -5,9 +5,9 @@ Per model shape of ``configs/model_shapes.json``, tokens per rank and routing (u
 half of all (token, k) assignments to expert 0), in the same run:
 
 - kittens-pull / kittens-push: ``SymmetricMemoryEPWorkspace.fused_moe`` (workspace sized to the
-  row's tokens per rank), captured in a CUDA graph; and (bf16) gather-first: pull return with every
-  token row pulled by a separate kernel before GEMM1 (``pull_in_gemm1=False``), to measure what
-  starting GEMM1 tiles as their rows arrive gains;
+  row's tokens per rank), captured in a CUDA graph; and (bf16) rows in GEMM1: pull return with
+  GEMM1's tiles pulling the token rows and starting as they arrive (``pull_in_gemm1=True``), against
+  the default, which pulls every row in a kernel before GEMM1;
 - a2a: NCCL ``all_to_all_single`` of every (token, k) row (split sizes exchanged first: a host
   sync), argsort, ``torch._grouped_mm`` x2, ``all_to_all_single`` back, fp32 weighted sum;
 - agrs: all-gather tokens, local experts (grouped_mm) over the gathered rows they own,
@@ -314,10 +314,11 @@ def run_rank(rank, world, args):
                         refresh()
                         return agrs_moe(x, ids, tw, w13, w2, emap, world, group)
 
-                    # (return mode, rows pulled inside GEMM1); "gather": all rows pulled before GEMM1.
-                    variants = {"pull": ("pull", True), "push": ("push", True)}
+                    # (return mode, rows pulled inside GEMM1); the workspace's default pulls every row
+                    # before GEMM1 ("gather"); "gemm1pull": GEMM1 tiles pull rows and start as they arrive.
+                    variants = {"pull": ("pull", False), "push": ("push", False)}
                     if not fp8:
-                        variants["gather"] = ("pull", False)
+                        variants["gemm1pull"] = ("pull", True)
                     impls = {}
                     res = {}
                     for mode, (ws.return_mode, ws.pull_in_gemm1) in variants.items():
@@ -431,9 +432,9 @@ def format_row(r):
     if "error" in r:
         return f"{tag}{r['shape']:16s} T={r['tokens']:5d} {r['routing']:7s} ERROR"
     ms = r["ms"]
-    gather = f" gather-first {ms['kittens_gather']:8.3f}" if "kittens_gather" in ms else ""
+    in_gemm1 = f" rows-in-GEMM1 {ms['kittens_gemm1pull']:8.3f}" if "kittens_gemm1pull" in ms else ""
     return (f"{tag}{r['shape']:16s} T={r['tokens']:5d} {r['routing']:7s} pull {ms['kittens_pull']:8.3f} push "
-            f"{ms['kittens_push']:8.3f}{gather} ms floor {r['floor_ms']:7.3f} ({r['bound']:7s}) x{r['ratio_to_floor']:5.2f} "
+            f"{ms['kittens_push']:8.3f}{in_gemm1} ms floor {r['floor_ms']:7.3f} ({r['bound']:7s}) x{r['ratio_to_floor']:5.2f} "
             f"a2a {ms['a2a']:8.3f} agrs {ms['agrs']:8.3f} best/k x{r['speedup_vs_best_baseline']:5.2f} "
             f"NVL {r['nvlink_GBps']:6.1f} GB/s wait(C) pull {r['wait_us']['pull']:7.1f} push {r['wait_us']['push']:7.1f} us "
             f"err {r['rel_err_vs_a2a']['pull']:.1e} {'OK' if r['target_met'] else 'MISS ' + r['target']}")
@@ -455,12 +456,12 @@ def markdown(rows, meta):
     else:
         head = [f"# Expert-parallel layer benchmark ({meta['world']} x {meta['gpu']}, commit {meta['commit']})", "",
                 "Time: median over iterations of the max across ranks, ms. Floor = max over ranks of max(FLOPs/790e12, "
-                "HBM bytes/4.4e12, NVLink bytes in/3.3e11). kittens = pull return (default), token rows pulled "
-                "inside GEMM1 (tiles start as their rows arrive); gather-first: the same with every row pulled "
-                "by a separate kernel before GEMM1 (no overlap). wait(C): device time in the wait for the "
+                "HBM bytes/4.4e12, NVLink bytes in/3.3e11). kittens = pull return (default; token rows pulled "
+                "by a kernel before GEMM1); rows in GEMM1: pull return with GEMM1's tiles pulling the rows and "
+                "starting as they arrive (`pull_in_gemm1`). wait(C): device time in the wait for the "
                 "completion (COMPUTED) flags, median of the max across ranks.", ""]
     out = head + [
-           "| shape | tokens/rank | routing | kittens pull | kittens push | gather-first | a2a | agrs | floor (bound) | "
+           "| shape | tokens/rank | routing | kittens pull | kittens push | rows in GEMM1 | a2a | agrs | floor (bound) | "
            "x floor | best baseline / kittens | NVLink GB/s | wait(C) pull us | wait(C) push us | target |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -468,10 +469,10 @@ def markdown(rows, meta):
             out.append(f"| {r['shape']} | {r['tokens']} | {r['routing']} | error | | | | | | | | | | | |")
             continue
         ms = r["ms"]
-        gather = f"{ms['kittens_gather']:.3f}" if "kittens_gather" in ms else "-"
+        in_gemm1 = f"{ms['kittens_gemm1pull']:.3f}" if "kittens_gemm1pull" in ms else "-"
         out.append(
             f"| {r['shape']} | {r['tokens']} | {r['routing']} | {ms['kittens_pull']:.3f} | {ms['kittens_push']:.3f} | "
-            f"{gather} | {ms['a2a']:.3f} | {ms['agrs']:.3f} | {r['floor_ms']:.3f} ({r['bound']}) | {r['ratio_to_floor']:.2f} | "
+            f"{in_gemm1} | {ms['a2a']:.3f} | {ms['agrs']:.3f} | {r['floor_ms']:.3f} ({r['bound']}) | {r['ratio_to_floor']:.2f} | "
             f"{r['speedup_vs_best_baseline']:.2f} | {r['nvlink_GBps']:.1f} | {r['wait_us']['pull']:.1f} | "
             f"{r['wait_us']['push']:.1f} | {'met' if r['target_met'] else 'MISS ' + r['target']} |")
     return "\n".join(out) + "\n"
