@@ -24,7 +24,8 @@ from . import reference
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_moe.cpp")
+# cpu_timer.cpp: mok_serve.vllm.timing's per-layer timer op, built into the same extension.
+_SOURCES = [Path(__file__).with_name(n) for n in ("cpu_moe.cpp", "cpu_timer.cpp")]
 _built: bool | None = None
 
 
@@ -59,7 +60,7 @@ def _load(name: str, build_dir: Path, timeout_s: float) -> None:
         (build_dir / "lock").unlink(missing_ok=True)
         cpp_extension.load(
             name=name,
-            sources=[str(_SOURCE)],
+            sources=[str(p) for p in _SOURCES],
             extra_cflags=["-O3", "-march=native", "-ffp-contract=off"],
             build_directory=str(build_dir),
             is_python_module=False,
@@ -75,6 +76,8 @@ def available() -> bool:
         name = _build_name()
         try:
             _load(name, Path(cpp_extension.get_default_build_root()) / name, timeout_s=300)
+            # Compiled models call the timer op directly: tracing needs its output's shape.
+            torch.library.register_fake("mok_serve_cpu::moe_timer")(lambda t, slot, point: torch.empty_like(t))
             _built = True
         except Exception as exc:  # a missing compiler or ninja shows up as any of several errors
             logger.warning("kittens: cannot build the CPU kernel (%s); using the slower torch reference", exc)

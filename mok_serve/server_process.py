@@ -126,12 +126,21 @@ class ServerProcess:
         finally:
             self.stop()
 
+    def pause(self) -> None:
+        """Freeze every process of the server (SIGSTOP to its process group): a benchmark of another
+        server on the same cores then runs undisturbed (no polling, no periodic logging)."""
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGCONT)
+
     def stop(self) -> None:
         if self.proc is None:
             return
         sid = self.proc.pid  # start_new_session: the server leads its own session and process group
         self._shm |= session_shm_segments(sid)
         try:
+            self.resume()  # a paused server would not act on SIGTERM
             os.killpg(self.proc.pid, signal.SIGTERM)
             self.proc.wait(30)
         except ProcessLookupError:

@@ -16,10 +16,12 @@ vLLM's (no-ops without EP). Points 1 and 2 are stamped inside the EP op, by the 
 ``on_phase`` hook (:func:`phase_marker`), not by :func:`mark`.
 
 CPU: vLLM compiles the model with Dynamo + Inductor and traces into the MoE method, so
-:func:`mark` is an opaque custom op (``mok_serve::moe_timer``) that returns a copy of the tensor
-it is given; the caller threads the copy into the rest of the layer (top-k ids into the
-experts, the output to the layer's consumers), so Inductor cannot move a timer away from the
-work it brackets. Clock: ``time.perf_counter_ns``.
+:func:`mark` is an opaque C++ op (``mok_serve_cpu::moe_timer``, ``kernels/cpu_timer.cpp``) that
+returns a copy of the tensor it is given; the caller threads the copy into the rest of the
+layer (top-k ids into the experts, the output to the layer's consumers), so Inductor cannot move
+a timer away from the work it brackets. It writes the same buffer as the CUDA kernel below, in
+C++: a stamp costs a few microseconds, where a Python op cost tens (measured on the 2-core VM,
+server/README.md). Clock: ``std::chrono::steady_clock``.
 
 CUDA: no host synchronisation and CUDA-graph safe. Each mark is one tiny Triton program that
 reads ``%globaltimer`` and writes it into a per-layer device buffer (call counter, ring of
@@ -39,11 +41,15 @@ through :class:`KittensWorkerExtension` (``--worker-extension-cls``).
 
 from __future__ import annotations
 
-import bisect
+import logging
 import time
 from dataclasses import dataclass
 
 import torch
+
+from mok_serve.kernels import cpu_moe
+
+logger = logging.getLogger("vllm.mok_serve")
 
 CONFIG_KEY = "kittens_timing"
 DEFAULT_SAMPLE_EVERY = 1
@@ -56,6 +62,7 @@ BUCKETS_S = (
 )  # fmt: skip
 BUCKETS_NS = tuple(int(round(b * 1e9)) for b in BUCKETS_S)
 NB = len(BUCKETS_S) + 1  # with +Inf
+NBP = 16  # bucket bounds padded to a power of two for the Triton kernel (2**62 past the last)
 
 
 @dataclass(frozen=True)
@@ -103,7 +110,15 @@ def _summary_ms(values_ns) -> dict | None:
 
 class LayerTimer:
     """One MoE layer on one rank. ``window`` state is cleared by reset; ``total_*`` and the
-    histograms are cumulative (Prometheus counters never go down)."""
+    histograms are cumulative (Prometheus counters never go down).
+
+    Stamps live in one int64 buffer on the layer's device, written by the CUDA timer kernel
+    (``timing_triton.py``) or the C++ CPU op (``kernels/cpu_timer.cpp``): ``[0]`` calls, ``[1]``
+    tokens, then ``W x 4`` stamps from ``RING``, then ``4 x NB`` histogram counts from ``hist_off``,
+    then 4 sums (ns) from ``sums_off``. The sampling decision, the ring index and the buckets come
+    from the call counter in the buffer, so no Python runs per call."""
+
+    RING = 8
 
     def __init__(self, slot, name, index, num_experts, top_k, local_experts, ep_rank, ep_size,
                  experts_class, config: TimingConfig, device: torch.device):  # fmt: skip
@@ -113,22 +128,36 @@ class LayerTimer:
         self.experts_class = experts_class
         self.config = config
         self.device = device
-        self.has_phases = False
         self.window_started = time.time()
         self.counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
         self.base_calls = self.base_tokens = 0
         self.base_counts = [0] * num_experts
+        W = config.window
+        self.hist_off = self.RING + 4 * W
+        self.sums_off = self.hist_off + 4 * NB
+        self.buf = torch.zeros(self.sums_off + 4, dtype=torch.int64, device=device)
+        self.bounds = torch.tensor(list(BUCKETS_NS) + [2**62] * (NBP - len(BUCKETS_NS)), dtype=torch.int64, device=device)
 
-    # overridden
-    def mark(self, t: torch.Tensor, point: int) -> None: ...
+    def mark(self, t: torch.Tensor | None, point: int) -> None:
+        """Stamp ``point`` now (eagerly; compiled models call :func:`mark`). ``t``: the top-k ids
+        at BEGIN, else unused (None)."""
+        raise NotImplementedError
 
-    def read(self) -> dict: ...
+    def read(self) -> dict:
+        buf = self.buf.cpu().tolist()
+        W = self.config.window
+        ring = [buf[self.RING + 4 * i : self.RING + 4 * i + 4] for i in range(W)]
+        samples = [s for s in ring if s[0] and s[3] >= s[0]]
+        hist = {}
+        for j, p in enumerate(PHASES):
+            hist[p] = {
+                "buckets": buf[self.hist_off + j * NB : self.hist_off + (j + 1) * NB],
+                "sum_ns": buf[self.sums_off + j],
+            }
+        return {"calls": buf[0], "tokens": buf[1], "samples": samples, "histograms": hist}
 
-    def clear_window(self) -> None: ...
-
-    def count(self, topk_ids: torch.Tensor) -> None:
-        ids = topk_ids.reshape(-1).to(torch.int64)
-        self.counts.index_add_(0, ids, torch.ones_like(ids))
+    def clear_window(self) -> None:
+        self.buf[: self.hist_off].zero_()
 
     def snapshot(self) -> dict:
         state = self.read()
@@ -180,114 +209,42 @@ class LayerTimer:
 
 
 class CpuLayerTimer(LayerTimer):
-    """Wall clock on the host, inside the ``mok_serve::moe_timer`` custom op."""
+    """Host clock (``steady_clock``), stamped by the C++ op ``mok_serve_cpu::moe_timer``
+    (``kernels/cpu_timer.cpp``), which also counts the top-k ids at BEGIN. Registered with the op
+    under the layer's slot; needs kittens' CPU extension (``kernels.cpu_moe.available()``)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        import numpy as np
+        cfg = self.config
+        torch.ops.mok_serve_cpu.timer_register(
+            self.slot, self.buf, self.bounds, self.counts, cfg.sample_every, cfg.window,
+            self.RING, self.hist_off, self.sums_off,
+        )  # fmt: skip
 
-        self.calls = self.tokens = 0
-        self.np_counts = self.counts.numpy()  # shares memory with self.counts
-        self.ring = np.zeros((self.config.window, 4), dtype=np.int64)
-        self.filled = 0
-        self.head = 0
-        self.pending: list[int] | None = None
-        self.hist = {p: [0] * NB for p in PHASES}
-        self.hist_sum = {p: 0 for p in PHASES}
+    def mark(self, t: torch.Tensor | None, point: int) -> None:
+        torch.ops.mok_serve_cpu.moe_timer(_NO_IDS if t is None else t, self.slot, point)
 
-    def _observe(self, phase: str, dt: int) -> None:
-        self.hist[phase][bisect.bisect_left(BUCKETS_NS, dt)] += 1
-        self.hist_sum[phase] += dt
 
-    def count(self, topk_ids: torch.Tensor) -> None:
-        import numpy as np
-
-        self.np_counts += np.bincount(topk_ids.numpy().ravel(), minlength=self.num_experts)[: self.num_experts]
-
-    def mark(self, t: torch.Tensor, point: int) -> None:
-        now = time.perf_counter_ns()
-        if point == BEGIN:
-            self.calls += 1
-            self.tokens += t.shape[0]
-            self.count(t)
-            sampled = (self.calls - 1) % self.config.sample_every == 0
-            self.pending = [now, 0, 0, 0] if sampled else None
-            return
-        p = self.pending
-        if p is None:
-            return
-        if point != END:
-            p[point] = now
-            return
-        p[3] = now
-        self.pending = None
-        self.ring[self.head] = p
-        self.head = (self.head + 1) % len(self.ring)
-        self.filled = min(self.filled + 1, len(self.ring))
-        self._observe("total", p[3] - p[0])
-        if p[1] and p[2]:
-            self._observe("dispatch", p[1] - p[0])
-            self._observe("experts", p[2] - p[1])
-            self._observe("combine", p[3] - p[2])
-
-    def read(self) -> dict:
-        return {
-            "calls": self.calls,
-            "tokens": self.tokens,
-            "samples": self.ring[: self.filled].tolist(),
-            "histograms": {p: {"buckets": list(self.hist[p]), "sum_ns": self.hist_sum[p]} for p in PHASES},
-        }
-
-    def clear_window(self) -> None:
-        self.calls = self.tokens = 0
-        self.filled = self.head = 0
-        self.pending = None
+_NO_IDS = torch.empty(0, dtype=torch.int64)
 
 
 class TritonLayerTimer(LayerTimer):
-    """Device-side timestamps (``%globaltimer``) written by a tiny Triton kernel.
-
-    Buffer layout (int64): ``[0]`` calls, ``[1]`` tokens, then ``W x 4`` timestamps from
-    ``RING``, then ``4 x NB`` histogram counts from ``HIST``, then 4 sums (ns) from ``SUMS``.
-    ``use_globaltimer=False`` (the Triton interpreter on a CPU) stamps the host clock instead.
-    """
-
-    RING = 8
+    """Device-side timestamps (``%globaltimer``) written by a tiny Triton kernel; top-k ids are
+    counted with ``index_add_``. ``use_globaltimer=False`` (the Triton interpreter on a CPU)
+    stamps the host clock instead."""
 
     def __init__(self, *args, use_globaltimer: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
         from mok_serve.vllm import timing_triton
 
         self._k = timing_triton
-        W = self.config.window
-        self.hist_off = self.RING + 4 * W
-        self.sums_off = self.hist_off + 4 * NB
-        self.buf = torch.zeros(self.sums_off + 4, dtype=torch.int64, device=self.device)
-        self.bounds = torch.tensor(
-            list(BUCKETS_NS) + [2**62] * (timing_triton.NBP - len(BUCKETS_NS)), dtype=torch.int64, device=self.device
-        )
         self.use_globaltimer = use_globaltimer
 
-    def mark(self, t: torch.Tensor, point: int) -> None:
+    def mark(self, t: torch.Tensor | None, point: int) -> None:
         if point == BEGIN:
-            self.count(t)
+            ids = t.reshape(-1).to(torch.int64)
+            self.counts.index_add_(0, ids, torch.ones_like(ids))
         self._k.launch_mark(self, point, t.shape[0] if point == BEGIN else 0)
-
-    def read(self) -> dict:
-        buf = self.buf.cpu().tolist()
-        W = self.config.window
-        ring = [buf[self.RING + 4 * i : self.RING + 4 * i + 4] for i in range(W)]
-        samples = [s for s in ring if s[0] and s[3] >= s[0]]
-        hist = {}
-        for j, p in enumerate(PHASES):
-            hist[p] = {
-                "buckets": buf[self.hist_off + j * NB : self.hist_off + (j + 1) * NB],
-                "sum_ns": buf[self.sums_off + j],
-            }
-        return {"calls": buf[0], "tokens": buf[1], "samples": samples, "histograms": hist}
-
-    def clear_window(self) -> None:
-        self.buf[: self.hist_off].zero_()
 
 
 class _Registry:
@@ -297,7 +254,7 @@ class _Registry:
         self.config = TimingConfig()
         self.backend = None
 
-    def register(self, layer, config: TimingConfig, backend: str, experts_class: str) -> int:
+    def register(self, layer, config: TimingConfig, backend: str, experts_class: str) -> int | None:
         name = layer.layer_name
         if name in self.by_name:
             return self.by_name[name].slot
@@ -316,6 +273,9 @@ class _Registry:
             local = [e for e, v in enumerate(expert_map.tolist()) if v >= 0]
         device = layer.w13_weight.device
         cls = TritonLayerTimer if device.type == "cuda" else CpuLayerTimer
+        if cls is CpuLayerTimer and not cpu_moe.available():
+            logger.warning("kittens: per-layer timing is off: it needs kittens' CPU extension, which did not build")
+            return None
         timer = cls(
             len(self.layers), name, index, num_experts, int(layer.moe_config.experts_per_token), local,
             int(pcfg.ep_rank), int(pcfg.ep_size), experts_class, config, device,
@@ -330,39 +290,22 @@ class _Registry:
 REGISTRY = _Registry()
 
 
-def register_layer(layer, config: TimingConfig, backend: str, experts_class: str) -> int:
+def register_layer(layer, config: TimingConfig, backend: str, experts_class: str) -> int | None:
+    """The layer's timer slot, or None when timing cannot run (the CPU extension did not build)."""
     return REGISTRY.register(layer, config, backend, experts_class)
-
-
-# Defined with the low-level torch.library API: a call costs a few microseconds less than a
-# torch.library.custom_op (no Python wrapper around the dispatcher), and it runs per mark.
-_lib = torch.library.Library("mok_serve", "FRAGMENT")
-_lib.define("moe_timer(Tensor t, int slot, int point) -> Tensor")
-
-
-def _moe_timer_impl(t: torch.Tensor, slot: int, point: int) -> torch.Tensor:
-    REGISTRY.layers[slot].mark(t, point)
-    return t.clone()
-
-
-_lib.impl("moe_timer", _moe_timer_impl, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("mok_serve::moe_timer", lib=_lib)
-def _moe_timer_fake(t, slot, point):
-    return torch.empty_like(t)
 
 
 def mark(t: torch.Tensor, slot: int, point: int) -> torch.Tensor:
     """Time stamp ``point`` of layer ``slot``; use the returned tensor in place of ``t``.
 
     On CUDA this launches the timer kernel and returns ``t`` itself (stream order is enough);
-    elsewhere it is the opaque custom op, which returns a copy the caller must use.
+    on the CPU it is the C++ op ``mok_serve_cpu::moe_timer``, opaque to the compiler, which
+    returns a copy the caller must use.
     """
     if t.is_cuda:
         REGISTRY.layers[slot].mark(t, point)
         return t
-    return torch.ops.mok_serve.moe_timer(t, slot, point)
+    return torch.ops.mok_serve_cpu.moe_timer(t, slot, point)
 
 
 _PHASE_POINTS = {"experts": EXPERTS_BEGIN, "combine": EXPERTS_END}
@@ -385,7 +328,7 @@ def snapshot(rank_info: dict) -> dict:
         "timing": {"enabled": REGISTRY.config.enabled, "sample_every": REGISTRY.config.sample_every,
                    "window_calls": REGISTRY.config.window},  # fmt: skip
         "clock": "cuda %globaltimer" if any(isinstance(t, TritonLayerTimer) for t in REGISTRY.layers)
-        else "host perf_counter_ns",
+        else "host steady_clock",
         "window_started": min((t.window_started for t in REGISTRY.layers), default=time.time()),
         "now": time.time(),
         "layers": [

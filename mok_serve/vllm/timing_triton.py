@@ -11,8 +11,7 @@ import time
 import triton
 import triton.language as tl
 
-NBP = 16  # bucket bounds padded to a power of two (15 finite bounds)
-NB = 16  # histogram buckets: 15 finite bounds, then +Inf (timing.NB)
+from mok_serve.vllm.timing import NB, NBP
 
 
 @triton.jit
