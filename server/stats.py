@@ -10,7 +10,7 @@ Schema of ``GET /v1/kittens/layers`` (``object: "kittens.layers"``)::
       "window": {"started_at": unix seconds of the last reset (or start), "seconds": float,
                  "latency": "last window_calls sampled calls since started_at",
                  "counts": "every call since started_at"},
-      "clock": "host perf_counter_ns" | "cuda %globaltimer",
+      "clock": "host steady_clock" | "cuda %globaltimer",
       "ranks": [{"rank", "tp_rank", "tp_size", "dp_rank", "ep_rank", "ep_size", "pid"}],
       "num_layers": int,
       "layers": [{
