@@ -82,12 +82,14 @@ class ServerProcess:
         env: dict[str, str] | None = None,
         log_path: str | os.PathLike | None = None,
         startup_timeout: float = 600.0,
+        cpus: set[int] | None = None,
     ):
         self.args = list(args)
         self.port = port or free_port()
         self.env = {**os.environ, **CPU_ENV, **(env or {})}
         self.log_path = Path(log_path or f"/tmp/mok-serve-{self.port}.log")
         self.startup_timeout = startup_timeout
+        self.cpus = cpus  # pin every process of the server to these CPUs (benchmarks)
         self.proc: subprocess.Popen | None = None
         self._shm: set[str] = set()  # shared-memory segments the server's processes mapped
 
@@ -102,7 +104,8 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "mok_serve.cli", *self.args, "--host", HOST, "--port", str(self.port)]
         self._log_file = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            cmd, stdout=self._log_file, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            cmd, stdout=self._log_file, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
+            preexec_fn=(lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None,
         )
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:

@@ -8,10 +8,16 @@ alternation, round after round, so a slow spell of a shared machine hits both se
 During a round the other server is frozen (SIGSTOP to its process group): on a 2-core machine its
 processes would otherwise compete for the cores the measured one runs on. Prints tokens/s per
 round, and the median and a bootstrap 95% interval of the on/off ratio over the paired rounds.
+
+``--pinned``: both servers serve at the same time instead, each pinned to its own core (every
+process, and vLLM's worker threads), so a change of the machine's speed hits both at the same
+instant; half the rounds run with the cores swapped (the servers are restarted), so a difference
+between the two cores cancels out.
 """
 
 import argparse
 import contextlib
+import os
 import random
 import statistics
 import time
@@ -44,27 +50,23 @@ def median_interval(ratios, draws=2000, seed=0):
     return meds[int(0.025 * draws)], meds[int(0.975 * draws) - 1]
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=64)
-    ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=16)
-    ap.add_argument("--backend", default="kittens")
-    a = ap.parse_args()
-    rng = random.Random(0)
-    prompts = [[rng.randrange(100, 1000) for _ in range(64)] for _ in range(a.prompts)]
-    settings = {"on": "1", "off": "0"}
+def start_servers(stack, backend, cores=None):
+    """Timing on and off; with ``cores`` ({label: cpu}) each server pinned to its cpu."""
+    servers = {}
+    for label, n in (("on", "1"), ("off", "0")):
+        pin = {} if cores is None else dict(env={"VLLM_CPU_OMP_THREADS_BIND": str(cores[label])}, cpus={cores[label]})
+        args = ["--max-model-len", "1024", "--moe-backend", backend, "--kittens-timing", n]
+        servers[label] = stack.enter_context(ServerProcess(args, **pin))
+    clients = {label: stack.enter_context(httpx.Client(base_url=s.url, timeout=600)) for label, s in servers.items()}
+    return servers, clients
+
+
+def alternating_rounds(a, prompts):
+    """Rounds alternate between the servers; the other one is frozen meanwhile."""
+    rates = {"on": [], "off": []}
     with contextlib.ExitStack() as stack:
-        servers = {
-            label: stack.enter_context(
-                ServerProcess(["--max-model-len", "1024", "--moe-backend", a.backend, "--kittens-timing", n])
-            )
-            for label, n in settings.items()
-        }
-        clients = {label: stack.enter_context(httpx.Client(base_url=s.url, timeout=600)) for label, s in servers.items()}
+        servers, clients = start_servers(stack, a.backend)
         model = clients["on"].get("/v1/models").json()["data"][0]["id"]
-        rates = {label: [] for label in settings}
         for i in range(a.rounds + 1):  # round 0 warms both up and is not counted
             # Alternate which setting goes first, so neither always follows the other.
             for label in (("on", "off") if i % 2 == 0 else ("off", "on")):
@@ -80,6 +82,44 @@ def main():
                     rates[label].append(rate)
             if i:
                 print(f"round {i}: on {rates['on'][-1]:.0f}, off {rates['off'][-1]:.0f} output tok/s", flush=True)
+    return rates
+
+
+def pinned_rounds(a, prompts):
+    """Both servers at once, one core each; the cores swap for the second half."""
+    rates = {"on": [], "off": []}
+    for half, cores in enumerate(({"on": 0, "off": 1}, {"on": 1, "off": 0})):
+        with contextlib.ExitStack() as stack:
+            servers, clients = start_servers(stack, a.backend, cores)
+            model = clients["on"].get("/v1/models").json()["data"][0]["id"]
+            for i in range(a.rounds // 2 + 1):  # round 0 warms both up and is not counted
+                n = len(prompts) if i else a.concurrency
+                with ThreadPoolExecutor(2) as pool:
+                    futures = {label: pool.submit(run_round, clients[label], model, prompts[:n], a.max_tokens,
+                                                  a.concurrency) for label in clients}  # fmt: skip
+                    round_rates = {label: f.result() for label, f in futures.items()}
+                if i:
+                    for label, r in round_rates.items():
+                        rates[label].append(r)
+                    print(f"round {len(rates['on'])} (on: cpu {cores['on']}): on {round_rates['on']:.0f}, "
+                          f"off {round_rates['off']:.0f} output tok/s", flush=True)
+    return rates
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=16)
+    ap.add_argument("--backend", default="kittens")
+    ap.add_argument("--pinned", action="store_true", help="both servers at once, one core each (see above)")
+    a = ap.parse_args()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 1000) for _ in range(64)] for _ in range(a.prompts)]
+    if a.pinned and len(os.sched_getaffinity(0)) < 2:
+        raise SystemExit("--pinned needs 2 CPUs")
+    rates = (pinned_rounds if a.pinned else alternating_rounds)(a, prompts)
     ratios = [on / off for on, off in zip(rates["on"], rates["off"])]
     lo, hi = median_interval(ratios)
     print(f"median on/off ratio over {a.rounds} paired rounds: {statistics.median(ratios):.3f} "
