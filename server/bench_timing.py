@@ -50,10 +50,11 @@ def median_interval(ratios, draws=2000, seed=0):
     return meds[int(0.025 * draws)], meds[int(0.975 * draws) - 1]
 
 
-def start_servers(stack, backend, cores=None):
-    """Timing on and off; with ``cores`` ({label: cpu}) each server pinned to its cpu."""
+def start_servers(stack, backend, cores=None, control=False):
+    """Timing on and off (``control``: off on both, to measure the method's own bias); with
+    ``cores`` ({label: cpu}) each server pinned to its cpu."""
     servers = {}
-    for label, n in (("on", "1"), ("off", "0")):
+    for label, n in (("on", "0" if control else "1"), ("off", "0")):
         pin = {} if cores is None else dict(env={"VLLM_CPU_OMP_THREADS_BIND": str(cores[label])}, cpus={cores[label]})
         args = ["--max-model-len", "1024", "--moe-backend", backend, "--kittens-timing", n]
         servers[label] = stack.enter_context(ServerProcess(args, **pin))
@@ -65,7 +66,7 @@ def alternating_rounds(a, prompts):
     """Rounds alternate between the servers; the other one is frozen meanwhile."""
     rates = {"on": [], "off": []}
     with contextlib.ExitStack() as stack:
-        servers, clients = start_servers(stack, a.backend)
+        servers, clients = start_servers(stack, a.backend, control=a.control)
         model = clients["on"].get("/v1/models").json()["data"][0]["id"]
         for i in range(a.rounds + 1):  # round 0 warms both up and is not counted
             # Alternate which setting goes first, so neither always follows the other.
@@ -90,7 +91,7 @@ def pinned_rounds(a, prompts):
     rates = {"on": [], "off": []}
     for half, cores in enumerate(({"on": 0, "off": 1}, {"on": 1, "off": 0})):
         with contextlib.ExitStack() as stack:
-            servers, clients = start_servers(stack, a.backend, cores)
+            servers, clients = start_servers(stack, a.backend, cores, a.control)
             model = clients["on"].get("/v1/models").json()["data"][0]["id"]
             for i in range(a.rounds // 2 + 1):  # round 0 warms both up and is not counted
                 n = len(prompts) if i else a.concurrency
@@ -114,6 +115,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=16)
     ap.add_argument("--backend", default="kittens")
     ap.add_argument("--pinned", action="store_true", help="both servers at once, one core each (see above)")
+    ap.add_argument("--control", action="store_true",
+                    help="A/A control: timing off on both servers (the 'on' one started first, as usual)")
     a = ap.parse_args()
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 1000) for _ in range(64)] for _ in range(a.prompts)]
