@@ -109,6 +109,7 @@ ROWS = 2  # error code only: GEMM1 waited in vain for pulled rows (no flag slot)
 _ROWS_ERR = tl.constexpr(1 + ROWS)
 PULL_BT = 16  # tokens per pulled chunk (one claim and one ready flag each)
 # state (local int64 words): epoch, error code (slot + 1), error peer, error epoch, wait ns per slot
+# (words 4 and 5); word 6 is the sync kernel's clock word
 ST_EPOCH, ST_ERR, ST_ERR_PEER, ST_ERR_EPOCH, ST_WAIT = 0, 1, 2, 3, 4
 STATE_WORDS = 8
 ALIGN = 256
@@ -130,6 +131,14 @@ def _now(USE_TIMER: tl.constexpr):
 
 
 @triton.jit
+def _uniform_now(clock_ptr, USE_TIMER: tl.constexpr):
+    """The clock as one value in every thread: one thread's reading goes through the clock word by
+    a scalar atomic exchange, and a scalar atomic read broadcasts it back."""
+    tl.atomic_xchg(clock_ptr, _now(USE_TIMER), sem="relaxed")
+    return tl.atomic_add(clock_ptr, 0, sem="relaxed")
+
+
+@triton.jit
 def _ep_sync_kernel(
     flags_ptr, flagtab_ptr, state_ptr, slot, rank, world, timeout_ns, max_spins,
     BUMP_EPOCH: tl.constexpr, USE_TIMER: tl.constexpr, SIGNAL: tl.constexpr, WAIT: tl.constexpr,
@@ -145,23 +154,26 @@ def _ep_sync_kernel(
         for p in range(world):
             dst = tl.load(flagtab_ptr + p).to(tl.pointer_type(tl.int32))
             tl.atomic_xchg(dst + slot * world + rank, e32, sem="release", scope="sys")
-    t0 = _now(USE_TIMER)
+    # Every value in the wait loop's condition comes from a scalar atomic, which Triton broadcasts,
+    # so all threads agree on the trip count: the atomics' broadcast contains a barrier.
+    clock = state_ptr + 6
+    t0 = _uniform_now(clock, USE_TIMER)
     for p in range(world * WAIT):
         f = flags_ptr + slot * world + p
         val = tl.atomic_add(f, 0, sem="acquire", scope="sys")
-        err = tl.load(state_ptr + 1, volatile=True)
+        err = tl.atomic_add(state_ptr + 1, 0, sem="relaxed")
         spins = tl.full((), 0, tl.int64)
         elapsed = tl.full((), 0, tl.int64)
         while (val < e32) & (err == 0) & (spins < max_spins) & (elapsed < timeout_ns):
             val = tl.atomic_add(f, 0, sem="acquire", scope="sys")
-            err = tl.load(state_ptr + 1, volatile=True)
+            err = tl.atomic_add(state_ptr + 1, 0, sem="relaxed")
             spins += 1
-            elapsed = _now(USE_TIMER) - t0
+            elapsed = _uniform_now(clock, USE_TIMER) - t0
         if (val < e32) & (err == 0):
             tl.store(state_ptr + 2, tl.full((), 0, tl.int64) + p)
             tl.store(state_ptr + 3, epoch)
             tl.store(state_ptr + 1, tl.full((), 1, tl.int64) + slot)
-    tl.store(state_ptr + 4 + slot, _now(USE_TIMER) - t0)
+    tl.store(state_ptr + 4 + slot, _uniform_now(clock, USE_TIMER) - t0)
 
 
 @triton.jit
