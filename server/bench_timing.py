@@ -11,8 +11,9 @@ round, and the median and a bootstrap 95% interval of the on/off ratio over the 
 
 ``--pinned``: both servers serve at the same time instead, each pinned to its own core (every
 process, and vLLM's worker threads), so a change of the machine's speed hits both at the same
-instant; half the rounds run with the cores swapped (the servers are restarted), so a difference
-between the two cores cancels out.
+instant. The rounds are split into four blocks, one for each pairing of cores (which setting
+gets cpu 0) and start order (which server starts first); the servers are restarted between
+blocks, so a faster core or the first start cancels out.
 """
 
 import argparse
@@ -50,11 +51,12 @@ def median_interval(ratios, draws=2000, seed=0):
     return meds[int(0.025 * draws)], meds[int(0.975 * draws) - 1]
 
 
-def start_servers(stack, backend, cores=None, control=False):
-    """Timing on and off (``control``: off on both, to measure the method's own bias); with
-    ``cores`` ({label: cpu}) each server pinned to its cpu."""
+def start_servers(stack, backend, cores=None, control=False, order=("on", "off")):
+    """Timing on and off (``control``: off on both, to measure the method's own bias), started
+    in ``order``; with ``cores`` ({label: cpu}) each server pinned to its cpu."""
     servers = {}
-    for label, n in (("on", "0" if control else "1"), ("off", "0")):
+    for label in order:
+        n = "1" if label == "on" and not control else "0"
         pin = {} if cores is None else dict(env={"VLLM_CPU_OMP_THREADS_BIND": str(cores[label])}, cpus={cores[label]})
         args = ["--max-model-len", "1024", "--moe-backend", backend, "--kittens-timing", n]
         servers[label] = stack.enter_context(ServerProcess(args, **pin))
@@ -86,14 +88,27 @@ def alternating_rounds(a, prompts):
     return rates
 
 
+# --pinned blocks: every pairing of cores and start order once, so neither a faster core nor
+# being started first favours one setting.
+PINNED_BLOCKS = (
+    ({"on": 0, "off": 1}, ("on", "off")),
+    ({"on": 1, "off": 0}, ("off", "on")),
+    ({"on": 1, "off": 0}, ("on", "off")),
+    ({"on": 0, "off": 1}, ("off", "on")),
+)
+
+
 def pinned_rounds(a, prompts):
-    """Both servers at once, one core each; the cores swap for the second half."""
+    """Both servers at once, one core each; the servers are restarted for each of the four
+    blocks of ``PINNED_BLOCKS``, which get a quarter of the rounds each."""
     rates = {"on": [], "off": []}
-    for half, cores in enumerate(({"on": 0, "off": 1}, {"on": 1, "off": 0})):
+    blocks = []
+    for cores, order in PINNED_BLOCKS:
         with contextlib.ExitStack() as stack:
-            servers, clients = start_servers(stack, a.backend, cores, a.control)
+            servers, clients = start_servers(stack, a.backend, cores, a.control, order)
             model = clients["on"].get("/v1/models").json()["data"][0]["id"]
-            for i in range(a.rounds // 2 + 1):  # round 0 warms both up and is not counted
+            block = []
+            for i in range(a.rounds // len(PINNED_BLOCKS) + 1):  # round 0 warms both up and is not counted
                 n = len(prompts) if i else a.concurrency
                 with ThreadPoolExecutor(2) as pool:
                     futures = {label: pool.submit(run_round, clients[label], model, prompts[:n], a.max_tokens,
@@ -102,8 +117,12 @@ def pinned_rounds(a, prompts):
                 if i:
                     for label, r in round_rates.items():
                         rates[label].append(r)
-                    print(f"round {len(rates['on'])} (on: cpu {cores['on']}): on {round_rates['on']:.0f}, "
-                          f"off {round_rates['off']:.0f} output tok/s", flush=True)
+                    block.append(round_rates["on"] / round_rates["off"])
+                    print(f"round {len(rates['on'])} (on: cpu {cores['on']}, {order[0]} started first): "
+                          f"on {round_rates['on']:.0f}, off {round_rates['off']:.0f} output tok/s", flush=True)
+        blocks.append(statistics.median(block))
+        print(f"block (on: cpu {cores['on']}, {order[0]} first): median on/off {blocks[-1]:.3f}", flush=True)
+    print(f"geometric mean of the {len(blocks)} block medians: {statistics.geometric_mean(blocks):.3f}")
     return rates
 
 
@@ -116,7 +135,7 @@ def main():
     ap.add_argument("--backend", default="kittens")
     ap.add_argument("--pinned", action="store_true", help="both servers at once, one core each (see above)")
     ap.add_argument("--control", action="store_true",
-                    help="A/A control: timing off on both servers (the 'on' one started first, as usual)")
+                    help="A/A control: timing off on both servers, to measure the method's own bias")
     a = ap.parse_args()
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 1000) for _ in range(64)] for _ in range(a.prompts)]
