@@ -199,6 +199,22 @@ def _scatter_rows(acc, rows, row_ok, offs_n, n_ok, y_ptr, H, RNE_FIX: tl.constex
 
 
 @triton.jit
+def _load_gate_up_tiles(a_ptrs, w_ptrs, row_ok, nj_ok, k_ok, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    """GEMM1's A tile (gathered rows) and its fused gate/up B tile, zero where a row, a column or
+    (``k_ok``, only read when not ``EVEN_K``) the K range runs out. Shared with the FP8 GEMM1."""
+    if EVEN_K:
+        a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+        if EVEN_N:
+            b = tl.load(w_ptrs)
+        else:
+            b = tl.load(w_ptrs, mask=nj_ok[None, :], other=0.0)
+    else:
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=k_ok[:, None] & nj_ok[None, :], other=0.0)
+    return a, b
+
+
+@triton.jit
 def _gemm1_tile(
     x_ptr, w_ptr, w_desc, act_ptr, tok, offs_m, row_ok, pid_n, e, start_e, H, I,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
@@ -223,16 +239,7 @@ def _gemm1_tile(
         w_ptrs = w_base + (n_j + (offs_j % 2) * I)[None, :] * stride_wn + offs_k[:, None] * stride_wk
         acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                if EVEN_N:
-                    b = tl.load(w_ptrs)
-                else:
-                    b = tl.load(w_ptrs, mask=nj_ok[None, :], other=0.0)
-            else:
-                k_ok = offs_k < H - k0
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                b = tl.load(w_ptrs, mask=k_ok[:, None] & nj_ok[None, :], other=0.0)
+            a, b = _load_gate_up_tiles(a_ptrs, w_ptrs, row_ok, nj_ok, offs_k < H - k0, EVEN_K, EVEN_N)
             acc = _dot(a, b, acc, DOT_IEEE, DOT_F32)
             a_ptrs += BLOCK_K * stride_xh
             w_ptrs += BLOCK_K * stride_wk

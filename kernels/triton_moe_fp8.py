@@ -42,6 +42,7 @@ from .triton_moe import (
     _gemm_config,
     _interpreting,
     _layer_setup,
+    _load_gate_up_tiles,
     _max_row_tiles,
     _moe_schedule_kernel,
     _scatter_rows,
@@ -158,16 +159,7 @@ def _fp8_gemm1_kernel(
         ws_ptrs = ws_ptr + e64 * stride_se + (w_row // SCALE_BN) * stride_sn
         acc = tl.zeros([BLOCK_M, 2 * _GROUP], dtype=tl.float32)
         for kb in range(0, tl.cdiv(H, _GROUP)):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                if EVEN_N:
-                    b = tl.load(w_ptrs)
-                else:
-                    b = tl.load(w_ptrs, mask=nj_ok[None, :], other=0.0)
-            else:
-                k_ok = offs_k < H - kb * _GROUP
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                b = tl.load(w_ptrs, mask=k_ok[:, None] & nj_ok[None, :], other=0.0)
+            a, b = _load_gate_up_tiles(a_ptrs, w_ptrs, row_ok, nj_ok, offs_k < H - kb * _GROUP, EVEN_K, EVEN_N)
             sa = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
             sb = tl.load(ws_ptrs + kb * stride_sk, mask=nj_ok, other=0.0)
             acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
