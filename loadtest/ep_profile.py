@@ -1,0 +1,151 @@
+"""Where the time of one kittens expert-parallel call goes: device time per kernel, per rank.
+
+Spawns one process per GPU like ``ep_bench`` (same shapes, inputs and workspace), runs the
+kittens EP call eagerly under ``torch.profiler`` (CUDA activity) and prints, for each rank,
+each kernel's mean device time per call next to the call's time as a CUDA-graph replay (median
+of CUDA-event timings). The graph time minus the kernels' sum is what launches, flag round trips
+and waiting cost. This is the profile evidence behind the EP notes (``kernels/NOTES.md``).
+
+``python -m mok_serve.loadtest.ep_profile --shape Qwen3-30B-A3B --tokens 128 512``
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import traceback
+from collections import defaultdict
+
+import torch
+
+from .ep_bench import as_graph, load_shapes, make_experts
+
+
+def profile_rank(rank, world, args):
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from mok_serve.kernels.ep_cuda import ExpertPlacement, SymmetricMemoryEPWorkspace
+
+    s = load_shapes()[args.shape]
+    E, H, I, K = s["routed_experts"], s["hidden"], s["moe_intermediate"], s["top_k"]
+    placement = ExpertPlacement.linear(E, world)
+    gen = torch.Generator(device="cuda").manual_seed(args.seed + rank)
+    w13, w2 = make_experts(E // world, H, I, False, gen)
+    out = []
+    for T in args.tokens:
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+        ids = torch.rand(T, E, device="cuda", generator=gen).argsort(dim=1)[:, :K].to(torch.int32)
+        tw = torch.rand(T, K, device="cuda", generator=gen)
+        tw = tw / tw.sum(-1, keepdim=True)
+        ws = SymmetricMemoryEPWorkspace(
+            dist.group.WORLD, max_tokens_per_rank=T, hidden_size=H, top_k=K, dtype=torch.bfloat16,
+            placement=placement, timeout_s=args.timeout_s,
+        )
+        try:
+            call = lambda: ws.fused_moe(x, w13, w2, tw, ids)  # noqa: E731
+            graph = as_graph(call)
+            times = []
+            for _ in range(args.iters):
+                dist.barrier()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) * 1e3)
+            dist.barrier()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(args.iters):
+                    call()
+                torch.cuda.synchronize()
+            ws.check_errors()
+            kernels = defaultdict(float)
+            for ev in prof.events():
+                if ev.device_type == torch.autograd.DeviceType.CUDA:
+                    kernels[ev.name] += ev.time_range.elapsed_us() / args.iters
+            out.append(dict(tokens=T, graph_us=statistics.median(times), kernels=dict(kernels)))
+        finally:
+            ws.close()
+    return out
+
+
+def rank_main(rank, world, port, args, queue):
+    import torch.distributed as dist
+
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+        queue.put((rank, None, profile_rank(rank, world, args)))
+    except BaseException:
+        queue.put((rank, traceback.format_exc(), None))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def report(shape, world, results) -> str:
+    lines = [f"# kittens EP call profile: {shape}, world {world}", ""]
+    for i, T in enumerate(r["tokens"] for r in results[0]):
+        lines += [f"## {T} tokens per rank", "", "| kernel | " + " | ".join(f"rank {r} us" for r in results) + " |",
+                  "|---|" + "---|" * len(results)]
+        names = sorted({n for r in results.values() for n in r[i]["kernels"]},
+                       key=lambda n: -results[0][i]["kernels"].get(n, 0.0))
+        for n in names:
+            lines.append(f"| {n[:70]} | " + " | ".join(f"{r[i]['kernels'].get(n, 0.0):.1f}" for r in results.values()) + " |")
+        sums = [sum(r[i]["kernels"].values()) for r in results.values()]
+        lines.append("| **sum of kernels** | " + " | ".join(f"{v:.1f}" for v in sums) + " |")
+        lines.append("| **graph replay (median)** | " + " | ".join(f"{r[i]['graph_us']:.1f}" for r in results.values()) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--world", type=int, default=torch.cuda.device_count())
+    p.add_argument("--shape", default="Qwen3-30B-A3B", help="a model of configs/model_shapes.json")
+    p.add_argument("--tokens", nargs="*", type=int, default=[128, 512])
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout-s", type=float, default=30.0)
+    p.add_argument("--out", default=None, help="also write the Markdown report here")
+    args = p.parse_args(argv)
+    if args.world < 1:
+        print("the EP profile needs CUDA GPUs (--world >= 1)", file=sys.stderr)
+        return 2
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=rank_main, args=(r, args.world, port, args, queue)) for r in range(args.world)]
+    for pr in procs:
+        pr.start()
+    results, errors = {}, []
+    for _ in range(args.world):
+        rank, err, got = queue.get()
+        if err:
+            errors.append(f"rank {rank}:\n{err}")
+        else:
+            results[rank] = got
+    for pr in procs:
+        pr.join(60)
+    for e in errors:
+        print(e, file=sys.stderr)
+    if errors:
+        return 1
+    md = report(args.shape, args.world, dict(sorted(results.items())))
+    print(md)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(md + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
