@@ -218,11 +218,12 @@ def _rows_needed(ids, t_ok, emap_ptr, num_global, num_local):
 
 
 @triton.jit
-def _copy_rows(src_ptr, dst_ptr, src_rows, dst_rows, need, width, BLOCK: tl.constexpr):
-    """``dst[dst_rows] = src[src_rows]`` for the rows in ``need``, ``width`` elements each."""
-    for h0 in range(0, width, BLOCK):
+def _copy_rows(src_ptr, dst_ptr, src_rows, dst_rows, need, width, begin, end, BLOCK: tl.constexpr):
+    """``dst[dst_rows, begin:end] = src[src_rows, begin:end]`` for the rows in ``need``; rows of
+    ``width`` elements."""
+    for h0 in range(begin, end, BLOCK):
         offs_h = h0 + tl.arange(0, BLOCK)
-        m = need[:, None] & (offs_h < width)[None, :]
+        m = need[:, None] & (offs_h < end)[None, :]
         v = tl.load(src_ptr + src_rows[:, None].to(tl.int64) * width + offs_h[None, :], mask=m)
         tl.store(dst_ptr + dst_rows[:, None] * width + offs_h[None, :], v, mask=m)
 
@@ -238,8 +239,14 @@ def _ep_gather_kernel(
     pull of each of its token rows that has a local expert, once, from its segment into
     ``xl[s * maxT + t]`` (FP8: the e4m3 row, copied as bytes, and with ``SCALES`` its ``G`` fp32
     group scales into ``xsl``). Without ``COPY_ROWS`` GEMM1 pulls the rows (``_ep_gemm1_pull_kernel``)
-    and this zeroes its chunk queue."""
+    and this zeroes its chunk queue.
+
+    Grid ``(S, token blocks, column blocks)``: program ``(s, i, j)`` copies columns
+    ``[j * BLOCK_H, (j + 1) * BLOCK_H)`` of its rows, so a row's remote reads are issued by
+    ``H / BLOCK_H`` programs at once instead of one after another by a loop (at decode sizes the
+    loop's serial NVLink round trips were most of the kernel's time)."""
     s = tl.program_id(0)
+    hb = tl.program_id(2)
     if not COPY_ROWS:
         if (s == 0) & (tl.program_id(1) == 0):
             tl.store(queue_ptr, 0)
@@ -254,14 +261,16 @@ def _ep_gather_kernel(
     ids = tl.load(src_ids + offs_t[:, None].to(tl.int64) * TOPK + offs_k[None, :],
                   mask=t_ok[:, None] & k_ok[None, :], other=-1)
     dst_rows = (s * max_tokens + offs_t).to(tl.int64)
-    tl.store(all_ids_ptr + dst_rows[:, None] * TOPK + offs_k[None, :], ids, mask=t_in[:, None] & k_ok[None, :])
+    tl.store(all_ids_ptr + dst_rows[:, None] * TOPK + offs_k[None, :], ids,
+             mask=t_in[:, None] & k_ok[None, :] & (hb == 0))
     if COPY_ROWS:
         need = _rows_needed(ids, t_ok, emap_ptr, num_global, num_local)
         src_x = tl.load(xtab_ptr + s).to(tl.pointer_type(xl_ptr.dtype.element_ty))
-        _copy_rows(src_x, xl_ptr, offs_t, dst_rows, need, H, BLOCK_H)
+        h0 = hb * BLOCK_H
+        _copy_rows(src_x, xl_ptr, offs_t, dst_rows, need, H, h0, tl.minimum(h0 + BLOCK_H, H), BLOCK_H)
         if SCALES:
             src_s = tl.load(xstab_ptr + s).to(tl.pointer_type(tl.float32))
-            _copy_rows(src_s, xsl_ptr, offs_t, dst_rows, need, G, BLOCK_G)
+            _copy_rows(src_s, xsl_ptr, offs_t, dst_rows, need & (hb == 0), G, 0, G, BLOCK_G)
 
 
 @triton.jit
@@ -281,7 +290,7 @@ def _ep_pull_chunk(c, xtab_ptr, all_ids_ptr, xl_ptr, emap_ptr, ready_ptr, epoch,
                   mask=t_ok[:, None] & (offs_k < TOPK)[None, :], other=-1)
     need = _rows_needed(ids, t_ok, emap_ptr, num_global, num_local)
     src_x = tl.load(xtab_ptr + s).to(tl.pointer_type(xl_ptr.dtype.element_ty))
-    _copy_rows(src_x, xl_ptr, offs_t, rows, need, H, BLOCK_H)
+    _copy_rows(src_x, xl_ptr, offs_t, rows, need, H, 0, H, BLOCK_H)
     tl.debug_barrier()
     tl.atomic_xchg(ready_ptr + c, epoch, sem="release", scope="gpu")
 
@@ -793,7 +802,7 @@ class SymmetricMemoryEPWorkspace:
         def gather():
             bt = 4
             G = triton.cdiv(H, GROUP)
-            _ep_gather_kernel[(S, triton.cdiv(T, bt))](
+            _ep_gather_kernel[(S, triton.cdiv(T, bt), 1 if gemm1_pulls else triton.cdiv(H, copy_block_h))](
                 self.n_tab, self.ids_tab, self.x_tab, self.xs_tab if fp8 else self.x_tab, self.all_ids,
                 self.xl.view(torch.uint8) if fp8 else self.xl, self.xsl if fp8 else self.xl, expert_map, self.queue,
                 T, H, G, self.num_global, num_local,
