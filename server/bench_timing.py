@@ -14,12 +14,16 @@ process, and vLLM's worker threads), so a change of the machine's speed hits bot
 instant. The rounds are split into four blocks, one for each pairing of cores (which setting
 gets cpu 0) and start order (which server starts first); the servers are restarted between
 blocks, so a faster core or the first start cancels out.
+
+``--pool LOG... --pool-control LOG...`` starts nothing: it pools the rounds that earlier timed
+runs and A/A control runs printed (their logs), for timing's cost net of the method's own bias.
 """
 
 import argparse
 import contextlib
 import os
 import random
+import re
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +53,37 @@ def median_interval(ratios, draws=2000, seed=0):
     rng = random.Random(seed)
     meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
     return meds[int(0.025 * draws)], meds[int(0.975 * draws) - 1]
+
+
+ROUND_LINE = re.compile(r"^round \d+ .*: on (\d+), off (\d+) output tok/s")
+
+
+def logged_ratios(paths):
+    """The paired on/off ratios of the rounds printed in earlier runs' logs."""
+    ratios = []
+    for path in paths:
+        for line in open(path):
+            m = ROUND_LINE.match(line)
+            if m:
+                ratios.append(int(m.group(1)) / int(m.group(2)))
+    return ratios
+
+
+def pooled(on_logs, control_logs, draws=4000, seed=0):
+    """Pool the rounds of timed runs against those of A/A control runs: the on/off median of
+    each, and their quotient (timing's cost net of the method's own bias) with a bootstrap 95%
+    interval that resamples both sets of rounds."""
+    on, aa = logged_ratios(on_logs), logged_ratios(control_logs)
+    if not on or not aa:
+        raise SystemExit("--pool needs round lines in both the timed and the control logs")
+    rng = random.Random(seed)
+    net = sorted(statistics.median(rng.choices(on, k=len(on))) / statistics.median(rng.choices(aa, k=len(aa)))
+                 for _ in range(draws))
+    print(f"timed: {len(on)} rounds, on/off median {statistics.median(on):.3f}, geometric mean "
+          f"{statistics.geometric_mean(on):.3f}; A/A: {len(aa)} rounds, median {statistics.median(aa):.3f}, "
+          f"geometric mean {statistics.geometric_mean(aa):.3f}; net of the A/A: median "
+          f"{statistics.median(on) / statistics.median(aa):.3f} (95% interval {net[int(0.025 * draws)]:.3f}-"
+          f"{net[int(0.975 * draws) - 1]:.3f})")
 
 
 def start_servers(stack, backend, cores=None, control=False, order=("on", "off")):
@@ -136,7 +171,13 @@ def main():
     ap.add_argument("--pinned", action="store_true", help="both servers at once, one core each (see above)")
     ap.add_argument("--control", action="store_true",
                     help="A/A control: timing off on both servers, to measure the method's own bias")
+    ap.add_argument("--pool", nargs="+", metavar="LOG",
+                    help="start nothing: pool the rounds printed in these logs of timed runs ...")
+    ap.add_argument("--pool-control", nargs="+", metavar="LOG", help="... against these logs of --control runs")
     a = ap.parse_args()
+    if a.pool or a.pool_control:
+        pooled(a.pool or [], a.pool_control or [])
+        return
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 1000) for _ in range(64)] for _ in range(a.prompts)]
     if a.pinned and len(os.sched_getaffinity(0)) < 2:
