@@ -293,18 +293,49 @@ def _moe_gemm1_kernel(
     TOPK: tl.constexpr, E_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-    GU_FUSED: tl.constexpr, USE_TMA: tl.constexpr, GROUP_M: tl.constexpr,
+    GU_FUSED: tl.constexpr, USE_TMA: tl.constexpr, GROUP_M: tl.constexpr, HALF_TAIL: tl.constexpr,
 ):
     in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
         counts_ptr, num_local, num_m, I, BLOCK_N, E_PAD, BLOCK_M, GROUP_M
     )
     if in_use:
-        offs_m, row_ok, rows = _tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
-        _gemm1_tile(
-            x_ptr, w_ptr, w_desc, act_ptr, (rows // TOPK).to(tl.int64), offs_m, row_ok, pid_n, e, start_e, H, I,
-            stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
-            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, GU_FUSED, USE_TMA,
-        )
+        # HALF_TAIL: an expert's last tile, when half a tile holds its rows, runs as a tile of
+        # BLOCK_M // 2 rows (less padding; a row's result does not depend on the tile's height).
+        if HALF_TAIL:
+            if count_e - m0 <= BLOCK_M // 2:
+                _gemm1_rows(
+                    x_ptr, w_ptr, w_desc, act_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
+                    stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
+                    TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, GU_FUSED, USE_TMA,
+                )
+            else:
+                _gemm1_rows(
+                    x_ptr, w_ptr, w_desc, act_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
+                    stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
+                    TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, GU_FUSED, USE_TMA,
+                )
+        else:
+            _gemm1_rows(
+                x_ptr, w_ptr, w_desc, act_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
+                stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
+                TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, GU_FUSED, USE_TMA,
+            )
+
+
+@triton.jit
+def _gemm1_rows(
+    x_ptr, w_ptr, w_desc, act_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
+    stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
+    TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
+    GU_FUSED: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    offs_m, row_ok, rows = _tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
+    _gemm1_tile(
+        x_ptr, w_ptr, w_desc, act_ptr, (rows // TOPK).to(tl.int64), offs_m, row_ok, pid_n, e, start_e, H, I,
+        stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
+        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, GU_FUSED, USE_TMA,
+    )
 
 
 @triton.jit
@@ -353,19 +384,48 @@ def _moe_gemm2_kernel(
     E_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-    USE_TMA: tl.constexpr, GROUP_M: tl.constexpr,
+    USE_TMA: tl.constexpr, GROUP_M: tl.constexpr, HALF_TAIL: tl.constexpr,
 ):
     in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
         counts_ptr, num_local, num_m, H, BLOCK_N, E_PAD, BLOCK_M, GROUP_M
     )
     if in_use:
-        offs_m, row_ok, rows = _tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
-        acc, offs_n, n_ok = _gemm2_tile(
-            act_ptr, w_ptr, w_desc, e, start_e, offs_m, row_ok, pid_n, H, I,
-            stride_we, stride_wn, stride_wk,
-            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA,
-        )
-        _scatter_rows(acc, rows, row_ok, offs_n, n_ok, y_ptr, H, DOT_F32)
+        if HALF_TAIL:  # as in _moe_gemm1_kernel
+            if count_e - m0 <= BLOCK_M // 2:
+                _gemm2_rows(
+                    act_ptr, w_ptr, w_desc, y_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
+                    stride_we, stride_wn, stride_wk,
+                    BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA,
+                )
+            else:
+                _gemm2_rows(
+                    act_ptr, w_ptr, w_desc, y_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
+                    stride_we, stride_wn, stride_wk,
+                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA,
+                )
+        else:
+            _gemm2_rows(
+                act_ptr, w_ptr, w_desc, y_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
+                stride_we, stride_wn, stride_wk,
+                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA,
+            )
+
+
+@triton.jit
+def _gemm2_rows(
+    act_ptr, w_ptr, w_desc, y_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
+    stride_we, stride_wn, stride_wk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):
+    offs_m, row_ok, rows = _tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
+    acc, offs_n, n_ok = _gemm2_tile(
+        act_ptr, w_ptr, w_desc, e, start_e, offs_m, row_ok, pid_n, H, I,
+        stride_we, stride_wn, stride_wk,
+        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA,
+    )
+    _scatter_rows(acc, rows, row_ok, offs_n, n_ok, y_ptr, H, DOT_F32)
 
 
 @triton.jit
@@ -530,7 +590,9 @@ def launch_gemm1(
     GEMM1 that pulls its rows), ``extra_args`` / ``extra_constexprs`` being its own ones."""
     num_local, two_i, hidden = w13.shape
     inter = two_i // 2
-    g = _gemm_config(config, act, interpret, GU_FUSED=False, GROUP_M=1)
+    g = _gemm_config(config, act, interpret, GU_FUSED=False, GROUP_M=1, HALF_TAIL=False)
+    if kernel is not None:
+        g.pop("HALF_TAIL")  # the expert-parallel kernels always run full tiles
     bm, bn = g["BLOCK_M"], g["BLOCK_N"]
     w13_desc = w13
     if g["USE_TMA"]:
@@ -568,7 +630,9 @@ def launch_gemm2(
     of them at most). ``kernel`` replaces it by a kernel with the same leading parameters (the
     expert-parallel push epilogue), ``extra_args`` / ``extra_constexprs`` being its own ones."""
     num_local, hidden, inter = w2.shape
-    g = _gemm_config(config, act, interpret, GROUP_M=1)
+    g = _gemm_config(config, act, interpret, GROUP_M=1, HALF_TAIL=False)
+    if kernel is not None:
+        g.pop("HALF_TAIL")  # the expert-parallel kernels always run full tiles
     bm, bn = g["BLOCK_M"], g["BLOCK_N"]
     w2_desc = w2
     if g["USE_TMA"]:

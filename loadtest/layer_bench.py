@@ -371,6 +371,8 @@ def sweep_variants(tokens, top_k, E, H, I):
             ("s4", v(d1, num_stages=4), v(d2, num_stages=4)),
             ("g1 s4", v(d1, num_stages=4), d2),
             ("g2 n128 s4", d1, v(d2, BLOCK_N=128, num_stages=4)),
+            ("half tail", v(d1, HALF_TAIL=True), v(d2, HALF_TAIL=True)),
+            ("g1 half tail", v(d1, HALF_TAIL=True), d2),
         ]
     else:
         out += [
