@@ -261,16 +261,17 @@ def _ep_gather_kernel(
     ids = tl.load(src_ids + offs_t[:, None].to(tl.int64) * TOPK + offs_k[None, :],
                   mask=t_ok[:, None] & k_ok[None, :], other=-1)
     dst_rows = (s * max_tokens + offs_t).to(tl.int64)
-    tl.store(all_ids_ptr + dst_rows[:, None] * TOPK + offs_k[None, :], ids,
-             mask=t_in[:, None] & k_ok[None, :] & (hb == 0))
+    if hb == 0:
+        tl.store(all_ids_ptr + dst_rows[:, None] * TOPK + offs_k[None, :], ids, mask=t_in[:, None] & k_ok[None, :])
     if COPY_ROWS:
         need = _rows_needed(ids, t_ok, emap_ptr, num_global, num_local)
         src_x = tl.load(xtab_ptr + s).to(tl.pointer_type(xl_ptr.dtype.element_ty))
         h0 = hb * BLOCK_H
         _copy_rows(src_x, xl_ptr, offs_t, dst_rows, need, H, h0, tl.minimum(h0 + BLOCK_H, H), BLOCK_H)
         if SCALES:
-            src_s = tl.load(xstab_ptr + s).to(tl.pointer_type(tl.float32))
-            _copy_rows(src_s, xsl_ptr, offs_t, dst_rows, need & (hb == 0), G, 0, G, BLOCK_G)
+            if hb == 0:
+                src_s = tl.load(xstab_ptr + s).to(tl.pointer_type(tl.float32))
+                _copy_rows(src_s, xsl_ptr, offs_t, dst_rows, need, G, 0, G, BLOCK_G)
 
 
 @triton.jit
