@@ -99,9 +99,16 @@ CASES = [
 ]
 
 
+# EP = 4 and 8 (issue 7; no such GPU machine has been lent): uneven counts, an empty rank, one hot expert.
+CASES_4 = [((5, 0, 8, 3), "uniform"), ((6, 2, 6, 1), "hot")]
+CASES_8 = [((3, 0, 8, 1, 5, 2, 7, 4), "uniform")]
+
+
 @pytest.mark.parametrize(
     "world,return_mode,pull_in_gemm1,cases",
-    [(2, "pull", False, CASES), (2, "pull", True, CASES), (2, "push", True, CASES[:2]), (3, "pull", True, CASES[1:3])],
+    [(2, "pull", False, CASES), (2, "pull", True, CASES), (2, "push", True, CASES[:2]), (3, "pull", True, CASES[1:3]),
+     (4, "pull", False, CASES_4), (4, "push", True, CASES_4[:1]), (8, "pull", False, CASES_8),
+     (8, "pull", True, CASES_8)],
 )
 def test_ep_equals_one_gpu_kernel_bitwise(world, return_mode, pull_in_gemm1, cases):
     num_experts = 4 * world
@@ -228,7 +235,10 @@ def run_fp8_call(ranks, placement, x, fp8, weights, ids, counts, layer="L"):
     return run_call(ranks, args, layer=layer, per_rank_kwargs=kwargs)
 
 
-@pytest.mark.parametrize("world,return_mode,cases", [(2, "pull", CASES), (2, "push", CASES[1:2]), (3, "pull", CASES[1:2])])
+@pytest.mark.parametrize(
+    "world,return_mode,cases",
+    [(2, "pull", CASES), (2, "push", CASES[1:2]), (3, "pull", CASES[1:2]), (4, "pull", CASES_4[:1])],
+)
 def test_ep_fp8_equals_one_gpu_fp8_kernel_bitwise(world, return_mode, cases):
     num_experts = 4 * world
     ranks, placement, _ = make_ranks(world, num_experts, return_mode=return_mode, quant="fp8", hidden=HIDDEN_F8)
