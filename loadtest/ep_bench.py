@@ -219,20 +219,45 @@ def make_experts(El, H, I, fp8, gen, chunk=16):
 # ---------------------------------------------------------------------------------- ranks
 
 
-def rank_main(rank, world, port, args, queue):
+def rank_main(rank, world, port, work, args, queue):
+    """One spawned rank: join the NCCL group, run ``work(rank, world, args)``, report to ``queue``."""
     import torch.distributed as dist
 
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
-        rows = run_rank(rank, world, args)
-        queue.put((rank, None, rows))
+        queue.put((rank, None, work(rank, world, args)))
     except BaseException:
         queue.put((rank, traceback.format_exc(), None))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def run_on_ranks(work, world, args):
+    """``work(rank, world, args)`` in one spawned process per GPU (one NCCL group): (results by
+    rank of the ranks that finished, error texts of the others). Shared with ``ep_profile``."""
+    import multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=rank_main, args=(r, world, port, work, args, queue)) for r in range(world)]
+    for pr in procs:
+        pr.start()
+    results, errors = {}, []
+    for _ in range(world):
+        rank, err, got = queue.get()
+        if err:
+            errors.append(f"rank {rank}:\n{err}")
+        else:
+            results[rank] = got
+    for pr in procs:
+        pr.join(60)
+    return results, errors
 
 
 def run_rank(rank, world, args):
@@ -500,25 +525,8 @@ def main(argv=None):
     if args.world < 1:
         print("the EP benchmark needs CUDA GPUs (--world >= 1)", file=sys.stderr)
         return 2
-    import multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, args.world, port, args, queue)) for r in range(args.world)]
-    for pr in procs:
-        pr.start()
-    rows, errors = None, []
-    for _ in range(args.world):
-        rank, err, got = queue.get()
-        if err:
-            errors.append(f"rank {rank}:\n{err}")
-        if rank == 0:
-            rows = got
-    for pr in procs:
-        pr.join(60)
+    results, errors = run_on_ranks(run_rank, args.world, args)
+    rows = results.get(0)
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=pathlib.Path(__file__).parent).stdout.strip() or "?"

@@ -1,6 +1,6 @@
 """Where the time of one kittens expert-parallel call goes: device time per kernel, per rank.
 
-Spawns one process per GPU like ``ep_bench`` (same shapes, inputs and workspace), runs the
+Spawns one process per GPU with ``ep_bench.run_on_ranks`` (same shapes, inputs and workspace), runs the
 kittens EP call eagerly under ``torch.profiler`` (CUDA activity) and prints, for each rank,
 each kernel's mean device time per call next to the call's time as a CUDA-graph replay (median
 of CUDA-event timings). The graph time minus the kernels' sum is what launches, flag round trips
@@ -12,17 +12,13 @@ and waiting cost. This is the profile evidence behind the EP notes (``kernels/NO
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
-import os
-import socket
 import statistics
 import sys
-import traceback
 from collections import defaultdict
 
 import torch
 
-from .ep_bench import as_graph, load_shapes, make_experts
+from .ep_bench import as_graph, load_shapes, make_experts, run_on_ranks
 
 
 def profile_rank(rank, world, args):
@@ -74,21 +70,6 @@ def profile_rank(rank, world, args):
     return out
 
 
-def rank_main(rank, world, port, args, queue):
-    import torch.distributed as dist
-
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
-        queue.put((rank, None, profile_rank(rank, world, args)))
-    except BaseException:
-        queue.put((rank, traceback.format_exc(), None))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def report(shape, world, results) -> str:
     lines = [f"# kittens EP call profile: {shape}, world {world}", ""]
     for i, T in enumerate(r["tokens"] for r in results[0]):
@@ -118,23 +99,7 @@ def main(argv=None):
     if args.world < 1:
         print("the EP profile needs CUDA GPUs (--world >= 1)", file=sys.stderr)
         return 2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, args.world, port, args, queue)) for r in range(args.world)]
-    for pr in procs:
-        pr.start()
-    results, errors = {}, []
-    for _ in range(args.world):
-        rank, err, got = queue.get()
-        if err:
-            errors.append(f"rank {rank}:\n{err}")
-        else:
-            results[rank] = got
-    for pr in procs:
-        pr.join(60)
+    results, errors = run_on_ranks(profile_rank, args.world, args)
     for e in errors:
         print(e, file=sys.stderr)
     if errors:
