@@ -1,14 +1,17 @@
-"""Kittens expert parallelism on 2 GPUs over symmetric memory (spawned ranks, NCCL group).
+"""Kittens expert parallelism over symmetric memory, one rank per GPU of the machine (up to 8;
+spawned ranks, NCCL group).
 
 On a machine with one GPU the bitwise and CUDA-graph scenarios run with one rank (every expert
 local, rows pulled from the rank's own segment: the schedule, GEMM1's chunk queue and ready
-flags, the combine) and the silent-peer test is skipped.
+flags, the combine) and the silent-peer test is skipped. Cases give token counts for 8 ranks and
+use the first ``world``; shapes get ``top_k * world`` experts where they have fewer, so that the
+``one_rank`` routing finds ``top_k`` distinct experts on rank 0.
 
 Every rank draws the same global inputs, runs its share through ``SymmetricMemoryEPWorkspace`` and
 checks the result bitwise against one-GPU ``fused_moe`` on the global inputs with all experts, and
 against the torch reference within bf16 tolerance; each scenario runs for bf16 experts and for FP8
 block-scaled ones (``quant``). Run with ``pytest -m gpu`` on a machine with
-2 GPUs; NVLink multicast stays off (NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+2 or more GPUs; NVLink multicast stays off (NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 NVSHMEM_DISABLE_NVLS=1).
 """
 
@@ -18,6 +21,7 @@ import os
 import pytest
 import rank_runner
 import torch
+from ep_sim import local_experts
 
 pytestmark = pytest.mark.gpu
 
@@ -28,22 +32,22 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
-WORLD = min(2, torch.cuda.device_count())
+WORLD = min(8, torch.cuda.device_count())
 
 
 def run_ranks(scenario, world=WORLD):
     rank_runner.run_ranks(scenario, world, backend="nccl", timeout=600, join_timeout=30)
 
 
-def global_inputs(seed, counts, num_experts, hidden, inter, top_k, routing="uniform"):
+def global_inputs(seed, counts, num_experts, hidden, inter, top_k, routing="uniform", *, world):
     g = torch.Generator(device="cuda").manual_seed(seed)
     total = sum(counts)
     x = torch.randn(total, hidden, device="cuda", generator=g).bfloat16()
     w13 = (torch.randn(num_experts, 2 * inter, hidden, device="cuda", generator=g) / hidden**0.5).bfloat16()
     w2 = (torch.randn(num_experts, hidden, inter, device="cuda", generator=g) / inter**0.5).bfloat16()
     ids = torch.rand(total, num_experts, device="cuda", generator=g).argsort(dim=1)[:, :top_k].to(torch.int32)
-    if routing == "one_rank":  # every token's experts live on rank 0
-        ids = torch.rand(total, num_experts // 2, device="cuda", generator=g).argsort(dim=1)[:, :top_k].to(torch.int32)
+    if routing == "one_rank":  # every token's experts live on rank 0 (it owns the first E / world)
+        ids = torch.rand(total, num_experts // world, device="cuda", generator=g).argsort(dim=1)[:, :top_k].to(torch.int32)
     elif routing == "hot":  # one expert in every token's first slot
         ids[:, 0] = num_experts - 1
         ids[:, 1:] = torch.rand(total, num_experts - 1, device="cuda", generator=g).argsort(dim=1)[:, : top_k - 1].to(torch.int32)
@@ -51,48 +55,41 @@ def global_inputs(seed, counts, num_experts, hidden, inter, top_k, routing="unif
     return x, w13, w2, weights, ids
 
 
-def local_weights(w13, w2, placement, rank):
-    mine = (placement.owner == rank).nonzero().flatten().to(w13.device)
-    order = mine[placement.local[mine.cpu()].argsort().to(w13.device)]
-    return w13[order].contiguous(), w2[order].contiguous()
-
-
 SHAPES = [  # hidden, inter, experts, top_k
     (1024, 512, 16, 8),
     (448, 160, 12, 4),  # hidden / inter not multiples of the block sizes
 ]
-CASES = [  # tokens per rank, routing
-    ((1, 1), "uniform"),
-    ((37, 5), "uniform"),
-    ((0, 41), "uniform"),
-    ((96, 13), "one_rank"),
-    ((50, 50), "hot"),
-    ((128, 128), "uniform"),
-    ((1000, 2048), "uniform"),
-    ((8192, 8192), "uniform"),
-    ((8192, 3000), "hot"),
+CASES = [  # tokens per rank (the first `world` of them), routing
+    ((1, 1, 1, 0, 1, 1, 0, 1), "uniform"),
+    ((37, 5, 0, 19, 3, 64, 1, 7), "uniform"),
+    ((0, 41, 17, 0, 0, 9, 33, 2), "uniform"),
+    ((96, 13, 40, 0, 7, 96, 3, 50), "one_rank"),
+    ((50,) * 8, "hot"),
+    ((128,) * 8, "uniform"),
+    ((1000, 2048, 0, 512, 2048, 7, 1500, 33), "uniform"),
+    ((8192,) * 8, "uniform"),
+    ((8192, 3000, 0, 8192, 1, 4096, 77, 8192), "hot"),
 ]
-FP8_CASES = CASES[:7] + [((4096, 1500), "hot")]  # FP8 workspaces hold 4096 tokens per rank
+FP8_CASES = CASES[:7] + [((4096, 1500, 0, 4096, 3, 2048, 77, 4096), "hot")]  # FP8 workspaces hold 4096 tokens per rank
 QUANTS = {  # quant: max tokens per rank, cases, seed offset, rel err bound vs the reference, log tag
     "bf16": dict(max_tokens=8192, cases=CASES, seed=0, tol=1e-2, tag=""),
     "fp8": dict(max_tokens=4096, cases=FP8_CASES, seed=2000, tol=3e-2, tag="FP8 "),
 }
 
 
-def quant_inputs(quant, seed, counts, num_experts, hidden, inter, top_k, routing="uniform"):
+def experts_for(num_experts, top_k, world):
+    return max(num_experts, top_k * world)
+
+
+def quant_inputs(quant, seed, counts, num_experts, hidden, inter, top_k, routing="uniform", *, world):
     """(x, experts, weights, ids): experts is (w13, w2) for bf16, (q13, q2, s13, s2) for FP8."""
-    x, w13, w2, weights, ids = global_inputs(seed, counts, num_experts, hidden, inter, top_k, routing)
+    x, w13, w2, weights, ids = global_inputs(seed, counts, num_experts, hidden, inter, top_k, routing, world=world)
     if quant == "bf16":
         return x, (w13, w2), weights, ids
     from mok_serve.kernels.fp8 import quantize_fp8_blocks
 
     (q13, s13), (q2, s2) = quantize_fp8_blocks(w13), quantize_fp8_blocks(w2)
     return x, (q13, q2, s13, s2), weights, ids
-
-
-def local_experts(experts, placement, rank):
-    """This rank's experts in local order: each (gate_up, down) pair of ``experts`` (the FP8 scales too)."""
-    return sum((local_weights(*experts[i : i + 2], placement, rank) for i in range(0, len(experts), 2)), ())
 
 
 def quant_ops(quant):
@@ -122,12 +119,14 @@ def scenario_bitwise(rank, world, quant="bf16"):
     tag = q["tag"]
     lines = []
     for si, (H, I, E, K) in enumerate(SHAPES):
+        E = experts_for(E, K, world)
         placement = ExpertPlacement.linear(E, world)
         ws = workspace(quant, placement, q["max_tokens"], H, K)
         cases = q["cases"] if si == 0 else q["cases"][:6]
         for ci, (counts, routing) in enumerate(cases):
             counts = counts[:world]
-            x, experts, weights, ids = quant_inputs(quant, q["seed"] + 1000 * si + ci, counts, E, H, I, K, routing)
+            x, experts, weights, ids = quant_inputs(quant, q["seed"] + 1000 * si + ci, counts, E, H, I, K, routing,
+                                                    world=world)
             expected = one_gpu(x, *experts, weights, ids)
             ref = reference(x, *experts, weights, ids)
             start = sum(counts[:rank])
@@ -163,11 +162,12 @@ def scenario_graph(rank, world, quant="bf16"):
 
     one_gpu, _, op = quant_ops(quant)
     tag = QUANTS[quant]["tag"]
-    H, I, E, K = 1024, 512, 16, 8
+    H, I, K = 1024, 512, 8
+    E = experts_for(16, K, world)
     placement = ExpertPlacement.linear(E, world)
     ws = workspace(quant, placement, 256, H, K)
-    counts = (200, 77)[:world]
-    x, experts, weights, ids = quant_inputs(quant, 7, counts, E, H, I, K)
+    counts = (200, 77, 0, 256, 5, 130, 64, 1)[:world]
+    x, experts, weights, ids = quant_inputs(quant, 7, counts, E, H, I, K, world=world)
     sl = slice(sum(counts[:rank]), sum(counts[:rank]) + counts[rank])
     local = local_experts(experts, placement, rank)
     xs, ws_, is_ = x[sl].clone(), weights[sl].clone(), ids[sl].clone()
@@ -177,7 +177,7 @@ def scenario_graph(rank, world, quant="bf16"):
     with torch.cuda.graph(graph):
         gout = getattr(ws, op)(xs, *local, ws_, is_)
     for seed in (11, 12, 13):  # new inputs each replay, layer after layer
-        x2, _, w2b, ids2 = quant_inputs(quant, seed, counts, E, H, I, K)
+        x2, _, w2b, ids2 = quant_inputs(quant, seed, counts, E, H, I, K, world=world)
         xs.copy_(x2[sl])
         ws_.copy_(w2b[sl])
         is_.copy_(ids2[sl])
@@ -199,9 +199,9 @@ def scenario_silent_peer(rank, world):
         None, max_tokens_per_rank=16, hidden_size=H, top_k=K, dtype=torch.bfloat16, placement=placement,
         timeout_s=1.0,
     )
-    x, w13, w2, weights, ids = global_inputs(5, [8, 8], E, H, I, K)
-    l13, l2 = local_weights(w13, w2, placement, rank)
-    if rank == 1:
+    x, w13, w2, weights, ids = global_inputs(5, [8, 8], E, H, I, K, world=world)
+    l13, l2 = local_experts((w13, w2), placement, rank)
+    if rank != 0:
         dist.barrier()  # never calls the layer; waits until rank 0 has given up
         return "silent"
     ws.fused_moe(x[:8], l13, l2, weights[:8], ids[:8], layer="L7")

@@ -23,6 +23,7 @@ from mok_serve.kernels import fused_moe_fp8_reference, fused_moe_reference  # no
 from mok_serve.kernels import triton_moe as tm  # noqa: E402
 from mok_serve.kernels import triton_moe_fp8 as tf  # noqa: E402
 from mok_serve.kernels.fp8 import quantize_fp8_blocks, quantize_fp8_groups  # noqa: E402
+from ep_sim import local_experts, run_call, run_split, simulated_ranks  # noqa: E402
 from moe_test_utils import rel_err  # noqa: E402
 
 if type(tm._moe_gemm1_kernel).__name__ != "InterpretedFunction":
@@ -60,35 +61,10 @@ def global_inputs(seed, counts, num_experts, routing="uniform"):
 
 def make_ranks(world, num_experts, replicated=False, return_mode="pull", max_spins=None, quant=None, hidden=HIDDEN,
                pull_in_gemm1=False):
-    placement = ep_cuda.ExpertPlacement.linear(num_experts, world)
-    sources = 1 if replicated else world
-    total = ep_cuda._Layout(world, sources, MAX_T, hidden, TOP_K, 2, fp8=quant == "fp8").total
-    segments = [torch.full((total,), 0xAB, dtype=torch.uint8) for _ in range(world)]  # poisoned
-    ranks = [
-        ep_cuda.SymmetricMemoryEPWorkspace(
-            None, max_tokens_per_rank=MAX_T, hidden_size=hidden, top_k=TOP_K, dtype=torch.bfloat16,
-            placement=placement, replicated_tokens=replicated, timeout_s=1.0, return_mode=return_mode,
-            quant=quant, pull_in_gemm1=pull_in_gemm1, _simulated=(r, segments), _max_spins=max_spins,
-        )
-        for r in range(world)
-    ]
-    return ranks, placement, segments
-
-
-def local_weights(w13, w2, placement, rank):
-    mine = (placement.owner == rank).nonzero().flatten()
-    order = mine[placement.local[mine].argsort()]
-    return w13[order].contiguous(), w2[order].contiguous()
-
-
-def run_call(ranks, per_rank_args, layer="L", per_rank_kwargs=None):
-    per_rank_kwargs = per_rank_kwargs or [{}] * len(ranks)
-    stage_lists = [ws.stages(*args, layer=layer, **kw) for ws, args, kw in zip(ranks, per_rank_args, per_rank_kwargs)]
-    outs = [None] * len(ranks)
-    for i in range(len(stage_lists[0])):
-        for r, stages in enumerate(stage_lists):
-            outs[r] = stages[i]()
-    return outs
+    return simulated_ranks(
+        world, num_experts, max_tokens=MAX_T, hidden=hidden, top_k=TOP_K, replicated=replicated, timeout_s=1.0,
+        return_mode=return_mode, quant=quant, pull_in_gemm1=pull_in_gemm1, _max_spins=max_spins,
+    )
 
 
 CASES = [
@@ -118,15 +94,8 @@ def test_ep_equals_one_gpu_kernel_bitwise(world, return_mode, pull_in_gemm1, cas
         x, w13, w2, weights, ids = global_inputs(10 + call, counts, num_experts, routing)
         expected = tm.fused_moe_triton(x, w13, w2, weights, ids)
         ref = fused_moe_reference(x, w13, w2, weights, ids)
-        starts = [sum(counts[:r]) for r in range(world)]
-        args = []
-        for r in range(world):
-            sl = slice(starts[r], starts[r] + counts[r])
-            l13, l2 = local_weights(w13, w2, placement, r)
-            args.append((x[sl], l13, l2, weights[sl], ids[sl]))
         for _ in range(2 if call == 0 else 1):  # back-to-back calls on the same segments
-            outs = run_call(ranks, args, layer=f"case{call}")
-            got = torch.cat(outs)
+            got = run_split(ranks, placement, x, (w13, w2), weights, ids, counts, layer=f"case{call}")
             err = rel_err(got, ref)
             assert err < 1e-2, f"case {call}: rel err {err}"
             assert torch.equal(got, expected), f"case {call}: EP={world} differs from the one-GPU kernel"
@@ -140,7 +109,7 @@ def test_replicated_tokens():
     ranks, placement, _ = make_ranks(world, num_experts, replicated=True)
     for call, tokens in enumerate([5, 0]):
         x, w13, w2, weights, ids = global_inputs(50 + call, [tokens], num_experts)
-        args = [(x, *local_weights(w13, w2, placement, r), weights, ids) for r in range(world)]
+        args = [(x, *local_experts((w13, w2), placement, r), weights, ids) for r in range(world)]
         outs = run_call(ranks, args)
         expected = tm.fused_moe_triton(x, w13, w2, weights, ids)
         for out in outs:
@@ -180,7 +149,7 @@ def test_pull_is_each_token_once_per_destination(pull_in_gemm1):
     args = []
     for r in range(world):
         sl = slice(sum(counts[:r]), sum(counts[:r]) + counts[r])
-        args.append((x[sl], *local_weights(w13, w2, placement, r), weights[sl], ids[sl]))
+        args.append((x[sl], *local_experts((w13, w2), placement, r), weights[sl], ids[sl]))
     run_call(ranks, args)
     ws = ranks[1]
     need = (placement.owner[ids[:7].long()] == 1).any(dim=1)
@@ -193,7 +162,7 @@ def test_silent_peer_gives_a_timeout_error_naming_the_rank():
     world, num_experts = 2, 4
     ranks, placement, _ = make_ranks(world, num_experts, max_spins=50)
     x, w13, w2, weights, ids = global_inputs(90, [3, 3], num_experts)
-    l13, l2 = local_weights(w13, w2, placement, 0)
+    l13, l2 = local_experts((w13, w2), placement, 0)
     ranks[0].fused_moe(x[:3], l13, l2, weights[:3], ids[:3], layer="L7")  # rank 1 never calls
     with pytest.raises(ep_cuda.PeerTimeoutError, match=r"rank 0: rank 1 did not post its tokens within 1 s \(layer L7, call 1\)"):
         ranks[0].check_errors()
@@ -218,23 +187,6 @@ def global_inputs_fp8(seed, counts, num_experts, routing="uniform"):
     return x, (w13, w2, s13, s2), weights, ids
 
 
-def local_fp8(fp8, placement, rank):
-    w13, w2, s13, s2 = fp8
-    mine = (placement.owner == rank).nonzero().flatten()
-    order = mine[placement.local[mine].argsort()]
-    return w13[order].contiguous(), w2[order].contiguous(), s13[order].contiguous(), s2[order].contiguous()
-
-
-def run_fp8_call(ranks, placement, x, fp8, weights, ids, counts, layer="L"):
-    args, kwargs = [], []
-    for r in range(len(ranks)):
-        sl = slice(sum(counts[:r]), sum(counts[:r]) + counts[r])
-        l13, l2, ls13, ls2 = local_fp8(fp8, placement, r)
-        args.append((x[sl], l13, l2, weights[sl], ids[sl]))
-        kwargs.append(dict(scales=(ls13, ls2)))
-    return run_call(ranks, args, layer=layer, per_rank_kwargs=kwargs)
-
-
 @pytest.mark.parametrize(
     "world,return_mode,cases",
     [(2, "pull", CASES), (2, "push", CASES[1:2]), (3, "pull", CASES[1:2]), (4, "pull", CASES_4[:1])],
@@ -248,7 +200,7 @@ def test_ep_fp8_equals_one_gpu_fp8_kernel_bitwise(world, return_mode, cases):
         expected = tf.fused_moe_fp8_triton(x, *fp8, weights, ids)
         ref = fused_moe_fp8_reference(x, *fp8, weights, ids)
         for _ in range(2 if call == 0 else 1):  # back-to-back calls on the same segments
-            got = torch.cat(run_fp8_call(ranks, placement, x, fp8, weights, ids, counts, layer=f"case{call}"))
+            got = run_split(ranks, placement, x, fp8, weights, ids, counts, layer=f"case{call}")
             err = rel_err(got, ref)
             assert err < 1e-2, f"case {call}: rel err {err}"
             assert torch.equal(got, expected), f"case {call}: FP8 EP={world} differs from the one-GPU FP8 kernel"
@@ -265,7 +217,7 @@ def test_ep_fp8_posts_quantized_rows_and_pulls_each_once():
     counts = (7, 3)
     x, fp8, weights, ids = global_inputs_fp8(78, counts, num_experts)
     ids[:3] = torch.tensor([3, 0, 2, 1], dtype=ids.dtype)  # tokens whose experts all live on rank 0
-    run_fp8_call(ranks, placement, x, fp8, weights, ids, counts)
+    run_split(ranks, placement, x, fp8, weights, ids, counts)
     q, s = quantize_fp8_groups(x)
     ws0, ws1 = ranks
     assert torch.equal(ws0.seg_x.view(MAX_T, HIDDEN_F8)[:7].view(torch.uint8), q[:7].view(torch.uint8))
@@ -282,14 +234,14 @@ def test_ep_fp8_replicated_tokens_and_wrong_entry_point():
     world, num_experts = 2, 4
     ranks, placement, _ = make_ranks(world, num_experts, replicated=True, quant="fp8", hidden=HIDDEN_F8)
     x, fp8, weights, ids = global_inputs_fp8(51, [5], num_experts)
-    args = [(x, *local_fp8(fp8, placement, r)[:2], weights, ids) for r in range(world)]
-    kwargs = [dict(scales=local_fp8(fp8, placement, r)[2:]) for r in range(world)]
-    outs = run_call(ranks, args, per_rank_kwargs=kwargs)
+    local = [local_experts(fp8, placement, r) for r in range(world)]
+    args = [(x, *local[r][:2], weights, ids) for r in range(world)]
+    outs = run_call(ranks, args, per_rank_kwargs=[dict(scales=local[r][2:]) for r in range(world)])
     expected = tf.fused_moe_fp8_triton(x, *fp8, weights, ids)
     for out in outs:
         assert torch.equal(out, expected)
     with pytest.raises(ValueError, match="quant='fp8': call fused_moe_fp8"):
-        ranks[0].fused_moe(x, *args[0][1:3], weights, ids)
+        ranks[0].fused_moe(x, *local[0][:2], weights, ids)
     bf16_ranks, _, _ = make_ranks(world, num_experts)
     with pytest.raises(ValueError, match="quant=None: call fused_moe "):
-        bf16_ranks[0].fused_moe_fp8(x[:, :HIDDEN], *local_fp8(fp8, placement, 0), weights, ids)
+        bf16_ranks[0].fused_moe_fp8(x[:, :HIDDEN], *local[0], weights, ids)

@@ -1,0 +1,63 @@
+"""Expert-parallel ranks simulated in one process, for the EP kernels' tests.
+
+Each rank's symmetric segment is a plain tensor (poisoned) on one device, and the workspace's
+pointer tables hold those tensors' addresses, exactly where a real group holds the peers' mapped
+addresses. A call is a list of launch steps (``SymmetricMemoryEPWorkspace.stages``); ``run_call``
+runs step i on every rank before step i + 1, so every flag wait finds its flag raised. Used under
+the Triton interpreter on the CPU and with the compiled kernels on one GPU.
+"""
+
+import torch
+
+
+def local_experts(experts, placement, rank):
+    """This rank's experts in local-id order: every tensor of ``experts`` (``w13, w2`` and, for FP8,
+    their scales) indexed by the global experts the rank owns."""
+    mine = (placement.owner == rank).nonzero().flatten()
+    order = mine[placement.local[mine].argsort()]
+    return tuple(t[order.to(t.device)].contiguous() for t in experts)
+
+
+def simulated_ranks(world, num_experts, *, max_tokens, hidden, top_k, device="cpu", replicated=False, quant=None,
+                    **workspace_kwargs):
+    """``world`` workspaces over segments of one device, linear expert placement:
+    ``(ranks, placement, segments)``."""
+    from mok_serve.kernels import ep_cuda  # at call time: the interpreter tests reload the module
+
+    placement = ep_cuda.ExpertPlacement.linear(num_experts, world)
+    sources = 1 if replicated else world
+    total = ep_cuda._Layout(world, sources, max_tokens, hidden, top_k, 2, fp8=quant == "fp8").total
+    segments = [torch.full((total,), 0xAB, dtype=torch.uint8, device=device) for _ in range(world)]
+    ranks = [
+        ep_cuda.SymmetricMemoryEPWorkspace(
+            None, max_tokens_per_rank=max_tokens, hidden_size=hidden, top_k=top_k, dtype=torch.bfloat16,
+            placement=placement, replicated_tokens=replicated, quant=quant, _simulated=(r, segments),
+            **workspace_kwargs,
+        )
+        for r in range(world)
+    ]
+    return ranks, placement, segments
+
+
+def run_call(ranks, per_rank_args, layer="L", per_rank_kwargs=None):
+    """One layer call on every rank, step by step; the ranks' outputs."""
+    per_rank_kwargs = per_rank_kwargs or [{}] * len(ranks)
+    stage_lists = [ws.stages(*args, layer=layer, **kw) for ws, args, kw in zip(ranks, per_rank_args, per_rank_kwargs)]
+    outs = [None] * len(ranks)
+    for i in range(len(stage_lists[0])):
+        for r, stages in enumerate(stage_lists):
+            outs[r] = stages[i]()
+    return outs
+
+
+def run_split(ranks, placement, x, experts, weights, ids, counts, layer="L"):
+    """Global inputs split over the ranks (rank r: the next ``counts[r]`` tokens and its local
+    experts) through one call; ``experts`` is ``(w13, w2)`` or, for FP8, ``(w13, w2, s13, s2)``.
+    Returns the ranks' outputs concatenated, in global token order."""
+    args, kwargs = [], []
+    for r in range(len(ranks)):
+        sl = slice(sum(counts[:r]), sum(counts[:r]) + counts[r])
+        local = local_experts(experts, placement, r)
+        args.append((x[sl], *local[:2], weights[sl], ids[sl]))
+        kwargs.append(dict(scales=local[2:]) if len(local) == 4 else {})
+    return torch.cat(run_call(ranks, args, layer=layer, per_rank_kwargs=kwargs))
