@@ -29,6 +29,9 @@ baselines on bf16 rows with the experts dequantized to bf16 inside the timed cal
 (``layer_bench.fp8_rate``), 1-byte weights + block scales, pulled rows of H + 4 * H / 128 bytes.
 Error limit vs a2a 8e-2 (a2a keeps bf16 activations; kittens quantizes x and the activation).
 
+Writes ``<out>.json``, ``<out>.md`` and ``<out>.png`` (time against tokens per rank, one panel per
+shape). ``--replot RESULT.json`` redraws the Markdown and the plot of an earlier run, no GPU needed.
+
 ``python -m mok_serve.loadtest.ep_bench --shapes Qwen3-30B-A3B --tokens 1 128 --out results/ep``
 """
 
@@ -503,6 +506,59 @@ def markdown(rows, meta):
     return "\n".join(out) + "\n"
 
 
+PLOT_SERIES = (  # (key of row["ms"] or of the row, label, color); kittens in blues, baselines warm, floor black
+    ("kittens_pull", "kittens pull", "C0"),
+    ("kittens_push", "kittens push", "C9"),
+    ("kittens_gemm1pull", "kittens rows in GEMM1", "C2"),
+    ("a2a", "a2a (NCCL all_to_all)", "C1"),
+    ("agrs", "agrs (all-gather + reduce-scatter)", "C3"),
+    ("floor_ms", "floor", "k"),
+)
+
+
+def write_plot(rows, meta, path):
+    """Time (ms, log) against tokens per rank (log), one panel per shape; uniform solid, skewed dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if "error" not in r]
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    if not shapes:
+        return
+    fig, axes = plt.subplots(1, len(shapes), figsize=(4.2 * len(shapes) + 2.5, 4), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        for routing, style in (("uniform", "-"), ("skewed", "--")):
+            rs = sorted((r for r in rows if r["shape"] == shape and r["routing"] == routing), key=lambda r: r["tokens"])
+            for key, label, color in PLOT_SERIES:
+                pts = [(r["tokens"], r["ms"].get(key, r.get(key))) for r in rs]
+                pts = [(t, v) for t, v in pts if v is not None]
+                if pts:
+                    ax.plot(*zip(*pts), style, color=color, marker="o", ms=3, label=f"{label}, {routing}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(shape)
+        ax.set_xlabel("tokens per rank")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("ms (median of the max across ranks)")
+    axes[0][-1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1))
+    fig.suptitle(f"EP={meta['world']} x {meta['gpu']}, commit {meta['commit']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_results(rows, meta, out: pathlib.Path):
+    """Writes ``out``.json, .md and .png; returns the Markdown."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    md = markdown(rows, meta)
+    out.with_suffix(".md").write_text(md)
+    write_plot(rows, meta, out.with_suffix(".png"))
+    return md
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--world", type=int, default=torch.cuda.device_count())
@@ -518,7 +574,15 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="results path stem (default results/ep_bench, --fp8: ep_bench_fp8)")
     p.add_argument("--fp8", action="store_true",
                    help="block-FP8 experts (default shapes DeepSeek-V3 Kimi-K2; results ep_bench_fp8.{json,md})")
+    p.add_argument("--replot", metavar="RESULT.json", default=None,
+                   help="redraw RESULT.md and RESULT.png from an earlier run's JSON (no GPU) and exit")
     args = p.parse_args(argv)
+    if args.replot:
+        src = pathlib.Path(args.replot)
+        data = json.loads(src.read_text())
+        write_results(data["rows"], data["meta"], src.with_suffix(""))
+        print(f"wrote {src.with_suffix('.md')} and {src.with_suffix('.png')}")
+        return 0
     if args.out is None:
         args.out = str(RESULTS / ("ep_bench_fp8" if args.fp8 else "ep_bench"))
     args.shapes = args.shapes or (["DeepSeek-V3", "Kimi-K2"] if args.fp8 else list(load_shapes()))
@@ -537,13 +601,8 @@ def main(argv=None):
     if args.fp8:
         rates = [r["peak_flops"] for r in rows or [] if "peak_flops" in r]
         meta["fp8_tflops"] = rates[0] / 1e12 if rates else float("nan")
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     if rows is not None:
-        out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-        md = markdown(rows, meta)
-        out.with_suffix(".md").write_text(md)
-        print(md)
+        print(write_results(rows, meta, pathlib.Path(args.out)))
     for e in errors:
         print(e, file=sys.stderr)
     return 1 if errors else 0

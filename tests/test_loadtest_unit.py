@@ -229,3 +229,49 @@ def test_layer_floor_counts_fp8_weight_bytes_and_rate():
     assert fp8["bound"] == "weights" and fp8["floor_ms"] == fp8["bytes"] / PEAK_BYTES * 1e3
     many = torch.arange(8192 * 8).remainder(256).view(8192, 8)
     assert floor_of(8192, 7168, 2048, 8, many, 1.0, peak_flops=1.6e15)["floor_ms"] == 6.0 * 8192 * 8 * 7168 * 2048 / 1.6e15 * 1e3
+
+
+def _ep_run(world, rows, commit="abc1234"):
+    meta = dict(world=world, gpu="NVIDIA H200", commit=commit, torch="x", time="t", fp8=False)
+    out = []
+    for shape, tokens, routing, kittens, best in rows:
+        ms = dict(kittens_pull=kittens, kittens_push=kittens * 1.2, kittens_gemm1pull=kittens, a2a=best * 1.1, agrs=best)
+        out.append(dict(shape=shape, world=world, tokens=tokens, routing=routing, ms=ms, kittens_ms=kittens,
+                        best_baseline_ms=best, speedup_vs_best_baseline=best / kittens, floor_ms=kittens / 2,
+                        ratio_to_floor=2.0, bound="hbm", nvlink_GBps=1.0, wait_us=dict(pull=1.0, push=2.0),
+                        rel_err_vs_a2a=dict(pull=0.0), target="t", target_met=False))
+    return dict(meta=meta, rows=out)
+
+
+def test_ep_scaling_matches_rows_across_world_sizes(tmp_path):
+    import json
+
+    from mok_serve.loadtest import ep_scaling
+
+    runs = {2: _ep_run(2, [("A", 1, "uniform", 0.5, 2.0), ("A", 128, "uniform", 1.0, 3.0)]),
+            4: _ep_run(4, [("A", 1, "uniform", 0.25, 2.0), ("B", 32, "skewed", 1.0, 1.5)])}
+    paths = []
+    for w, data in runs.items():
+        paths.append(tmp_path / f"w{w}.json")
+        paths[-1].write_text(json.dumps(data))
+    out = tmp_path / "scaling"
+    assert ep_scaling.main([str(p) for p in reversed(paths)] + ["--out", str(out)]) == 0
+    md = out.with_suffix(".md").read_text()
+    assert "| A | 1 | uniform | 0.500 | 0.250 | 4.00x | 8.00x |" in md  # worlds in order whatever the argument order
+    assert "| A | 128 | uniform | 1.000 | - | 3.00x | - |" in md  # a row missing at EP=4 shows as -
+    assert "| B | 32 | skewed | - | 1.000 | - | 1.50x |" in md
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    assert ep_scaling.main([str(paths[0]), str(paths[0]), "--out", str(out)]) == 2  # one run per world size
+
+
+def test_ep_bench_replot_writes_markdown_and_plot(tmp_path):
+    import json
+
+    from mok_serve.loadtest import ep_bench
+
+    src = tmp_path / "ep.json"
+    src.write_text(json.dumps(_ep_run(2, [("A", 1, "uniform", 0.5, 2.0), ("A", 128, "skewed", 1.0, 3.0)])))
+    assert ep_bench.main(["--replot", str(src)]) == 0
+    md = (tmp_path / "ep.md").read_text()
+    assert "| A | 128 | skewed | 1.000 | 1.200 | 1.000 | 3.300 | 3.000 |" in md
+    assert (tmp_path / "ep.png").stat().st_size > 10_000
