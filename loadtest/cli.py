@@ -2,6 +2,8 @@
 
     mok-loadtest serve [options]     kittens vs the stock MoE backend over HTTP (vLLM's OpenAI server)
     mok-loadtest layer [options]     one-GPU MoE layer benchmark (mok_serve.loadtest.layer_bench)
+    mok-loadtest ep [options]        expert-parallel layer benchmark, a rank per GPU (ep_bench)
+    mok-loadtest ep-scaling R.json.. ep_bench runs of several EP degrees side by side (ep_scaling)
 
 ``mok-loadtest serve`` with no option starts a stock server (``mok-serve --moe-backend auto``) and
 then a kittens server (``mok-serve``) on the embedded tiny model, one after the other on free
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import importlib
 import importlib.metadata
 import json
 import os
@@ -60,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mok-loadtest", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    sub = parser.add_subparsers(dest="command", metavar="{serve,layer}")
+    sub = parser.add_subparsers(dest="command", metavar="{serve," + ",".join(FORWARDED) + "}")
     s = sub.add_parser(
         "serve",
         help="compare MoE backends over HTTP (starts the servers, or targets --url)",
@@ -191,11 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNG plots")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
-    l = sub.add_parser(
-        "layer", help="one-GPU MoE layer benchmark (forwards its arguments to mok_serve.loadtest.layer_bench)",
-        add_help=False,
-    )
-    l.add_argument("layer_args", nargs=argparse.REMAINDER, help="arguments of the layer benchmark")
+    for name, (module, what) in FORWARDED.items():
+        f = sub.add_parser(name, help=f"{what} (forwards its arguments to mok_serve.loadtest.{module})", add_help=False)
+        f.add_argument("forwarded", nargs=argparse.REMAINDER, help=f"arguments of mok_serve.loadtest.{module}")
     return parser
 
 
@@ -524,28 +525,21 @@ def serve_main(args, argv: list[str]) -> int:
     return code
 
 
-# --------------------------------------------------------------------------------------- layer
+# ------------------------------------------------------------------------------ benchmarks
 
-
-def layer_main(argv: list[str]) -> int:
-    try:
-        from mok_serve.loadtest import layer_bench
-    except ModuleNotFoundError as e:
-        if e.name and e.name.endswith("layer_bench"):
-            print("mok-loadtest layer: the layer benchmark (mok_serve/loadtest/layer_bench.py) is not "
-                  "installed in this checkout yet", file=sys.stderr)
-            return EXIT_USAGE
-        raise
-    if not hasattr(layer_bench, "main"):
-        print("mok-loadtest layer: mok_serve.loadtest.layer_bench has no main(argv) yet", file=sys.stderr)
-        return EXIT_USAGE
-    return int(layer_bench.main(argv) or 0)
+# Subcommands that hand their arguments to a benchmark module's own main(argv) and --help.
+FORWARDED = {
+    "layer": ("layer_bench", "one-GPU MoE layer benchmark"),
+    "ep": ("ep_bench", "expert-parallel layer benchmark, a rank per GPU"),
+    "ep-scaling": ("ep_scaling", "ep_bench runs of several EP degrees side by side"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["layer"]:
-        return layer_main(argv[1:])
+    if argv and argv[0] in FORWARDED:
+        module = importlib.import_module(f"mok_serve.loadtest.{FORWARDED[argv[0]][0]}")
+        return int(module.main(argv[1:]) or 0)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

@@ -190,17 +190,18 @@ def test_layers_json_of_mok_serve_schema():
     assert layers.headline_field(parsed) == "latency_ms.mean"
 
 
-def test_layer_subcommand_forwards(monkeypatch):
+@pytest.mark.parametrize("command,module", [("layer", "layer_bench"), ("ep", "ep_bench"), ("ep-scaling", "ep_scaling")])
+def test_benchmark_subcommands_forward(monkeypatch, command, module):
     import sys
     import types
 
     from mok_serve.loadtest.cli import main
 
     seen = []
-    fake = types.ModuleType("mok_serve.loadtest.layer_bench")
-    fake.main = lambda argv: seen.append(argv) or 0
-    monkeypatch.setitem(sys.modules, "mok_serve.loadtest.layer_bench", fake)
-    assert main(["layer", "--tokens", "8", "--sweep"]) == 0
+    fake = types.ModuleType(f"mok_serve.loadtest.{module}")
+    fake.main = lambda argv: seen.append(argv) or 3
+    monkeypatch.setitem(sys.modules, f"mok_serve.loadtest.{module}", fake)
+    assert main([command, "--tokens", "8", "--sweep"]) == 3
     assert seen == [["--tokens", "8", "--sweep"]]
 
 
