@@ -375,9 +375,16 @@ def sweep_variants(tokens, top_k, E, H, I):
             ("g1 half tail", v(d1, HALF_TAIL=True), d2),
         ]
     else:
+        bn1, bn2 = d1["BLOCK_N"], d2["BLOCK_N"]
         out += [
+            ("s2", v(d1, num_stages=2), v(d2, num_stages=2)),
             ("s4", v(d1, num_stages=4), v(d2, num_stages=4)),
             ("s5", v(d1, num_stages=5), v(d2, num_stages=5)),
+            # Column width sets the programs per weight matrix and so the last wave's fill.
+            ("g1 n/2", v(d1, BLOCK_N=max(16, bn1 // 2)), d2),
+            ("g1 n*2", v(d1, BLOCK_N=min(128, bn1 * 2)), d2),
+            ("g2 n/2", d1, v(d2, BLOCK_N=max(16, bn2 // 2))),
+            ("g2 n*2", d1, v(d2, BLOCK_N=min(256, bn2 * 2))),
         ]
     return out
 
@@ -522,6 +529,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default="layer_bench", help="file name stem of the results")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--sweep", action="store_true", help="time block-size variants of kittens instead")
+    p.add_argument("--sweep-points", nargs="*", metavar="SHAPE:TOKENS", default=None,
+                   help="the sweep's (shape, tokens) points (default: " + " ".join(f"{s}:{t}" for s, t in SWEEP_POINTS) + ")")
     p.add_argument("--fp8", action="store_true",
                    help="block-FP8 experts (default shapes DeepSeek-V3,Kimi-K2; results layer_bench_fp8.*)")
     args = p.parse_args(argv)
@@ -557,7 +566,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     t0 = time.time()
     if args.sweep:
-        res = sweep(shapes, [pt for pt in SWEEP_POINTS if pt[0] in shapes], args.seed, log)
+        points = SWEEP_POINTS
+        if args.sweep_points:
+            points = [(pt.rsplit(":", 1)[0], int(pt.rsplit(":", 1)[1])) for pt in args.sweep_points]
+        res = sweep(shapes, [pt for pt in points if pt[0] in shapes], args.seed, log)
         (out / f"{args.name}_sweep.json").write_text(json.dumps(dict(meta=meta, results=res), indent=1))
         log(f"sweep done in {time.time() - t0:.0f} s")
         return 0
