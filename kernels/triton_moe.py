@@ -492,10 +492,11 @@ def pick_configs(tokens: int, top_k: int, num_local: int, hidden: int, inter: in
         bn2 = 128
         while bn2 > 32 and busy * triton.cdiv(hidden, bn2) < 264:
             bn2 //= 2
-        # 3 stages: 4 or 5 leave fewer programs resident per SM, and then the grid's last wave reads
-        # weights with part of the GPU idle (sweeps sweep_decode_* / sweep_mid_*: 3 stages within 3% of
-        # the best variant at every point, up to 10% faster than the former 5 below 8 rows per expert).
-        stages = 3
+        # Pipeline depth: with at most two tokens' experts busy the grid is a few hundred programs, and
+        # 5 stages keep the most weight bytes in flight per program; beyond, 4 stages fit more programs
+        # per SM (sweeps at d12e81a/c32df4d, loadtest/results/sweep_{decode,mid,stages}_*.json: 4 stages
+        # 1-7% faster than 5 at 8-128 tokens on all five shapes; at 1 token no depth wins everywhere).
+        stages = 5 if busy <= 2 * top_k else 4
         g1 = dict(BLOCK_M=64, BLOCK_N=bn1, BLOCK_K=bk1, num_warps=4, num_stages=stages, GU_FUSED=True)
         g2 = dict(BLOCK_M=64, BLOCK_N=bn2, BLOCK_K=bk2, num_warps=4, num_stages=stages, USE_TMA=True)
     else:

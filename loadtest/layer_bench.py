@@ -377,7 +377,7 @@ def sweep_variants(tokens, top_k, E, H, I):
     else:
         bn1, bn2 = d1["BLOCK_N"], d2["BLOCK_N"]
         out += [
-            ("s2", v(d1, num_stages=2), v(d2, num_stages=2)),
+            ("s3", v(d1, num_stages=3), v(d2, num_stages=3)),
             ("s4", v(d1, num_stages=4), v(d2, num_stages=4)),
             ("s5", v(d1, num_stages=5), v(d2, num_stages=5)),
             # Column width sets the programs per weight matrix and so the last wave's fill.
