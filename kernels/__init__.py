@@ -2,7 +2,8 @@
 
 ``fused_moe`` is one torch custom op, ``torch.ops.mok_serve.fused_moe``, so that Dynamo (which
 vLLM uses to compile models) treats it as a single opaque call: on CUDA tensors it runs the
-Triton kernels, on CPU tensors the C++ kernel of ``cpu_moe.py``, elsewhere the torch reference.
+Triton kernels, on CPU tensors the C++ kernel of ``cpu_moe.py`` (registered for the CPU dispatch
+key once built: the dispatcher then calls it without Python), elsewhere the torch reference.
 All compute the function documented in ``reference.py``. ``fused_moe_fp8``
 (``torch.ops.mok_serve.fused_moe_fp8``) is the same for block-scaled FP8 experts (``fp8.py``;
 Triton kernels in ``triton_moe_fp8.py``).

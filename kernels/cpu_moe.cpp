@@ -14,8 +14,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
-
+#include <array>
 #include <cmath>
+#include <cstdio>
+#include <string>
+#include <string_view>
 #include <vector>
 
 namespace {
@@ -212,6 +215,91 @@ void dispatch_dtype(at::ScalarType dtype, const char* op, Fn fn) {
   }
 }
 
+// reference.py's SUPPORTED_DTYPES and SUPPORTED_ACTIVATIONS.
+constexpr std::array<at::ScalarType, 3> SUPPORTED_DTYPES = {at::kBFloat16, at::kHalf, at::kFloat};
+constexpr std::array<std::string_view, 1> SUPPORTED_ACTIVATIONS = {"silu"};
+
+// What Python prints for a dtype, a str (repr; escapes ASCII only), a tuple: the checks below
+// repeat reference.py's messages word for word.
+std::string py(at::ScalarType dtype) { return "torch." + std::string(c10::getDtypeNames(dtype).first); }
+std::string py(int64_t n) { return std::to_string(n); }
+std::string py(std::string_view s) {
+  const char quote = s.find('\'') != s.npos && s.find('"') == s.npos ? '"' : '\'';
+  std::string out(1, quote);
+  for (const unsigned char c : s) {
+    if (c == quote || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (c == '\n' || c == '\r' || c == '\t') {
+      out += c == '\n' ? "\\n" : c == '\r' ? "\\r" : "\\t";
+    } else if (c < 0x20 || c == 0x7f) {
+      char hex[5];
+      std::snprintf(hex, sizeof(hex), "\\x%02x", c);
+      out += hex;
+    } else {
+      out += c;
+    }
+  }
+  return out + quote;
+}
+template <typename Items>
+std::string py_tuple(const Items& items) {
+  std::string out = "(";
+  for (const auto& item : items) out += (out.size() > 1 ? ", " : "") + py(item);
+  return out + (std::size(items) == 1 ? ",)" : ")");
+}
+
+template <typename T, size_t N>
+bool one_of(const T& value, const std::array<T, N>& values) {
+  return std::find(values.begin(), values.end(), value) != values.end();
+}
+
+// reference.check_fused_moe_args with check_values, for CPU hidden_states: same checks, same order,
+// same messages, raised as ValueError. This kernel is the whole CPU path of mok_serve::fused_moe,
+// with no Python in front of it.
+void check_fused_moe_args(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
+                          const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                          const c10::optional<at::Tensor>& expert_map, std::string_view activation) {
+  TORCH_CHECK_VALUE(one_of(activation, SUPPORTED_ACTIVATIONS), "activation ", py(activation),
+                    " is not supported; expected one of ", py_tuple(SUPPORTED_ACTIVATIONS));
+  TORCH_CHECK_VALUE(x.dim() == 2, "hidden_states must be 2-D [tokens, hidden], got shape ", py_tuple(x.sizes()));
+  TORCH_CHECK_VALUE(one_of(x.scalar_type(), SUPPORTED_DTYPES), "hidden_states dtype ", py(x.scalar_type()),
+                    " is not one of ", py_tuple(SUPPORTED_DTYPES));
+  const int64_t tokens = x.size(0), hidden = x.size(1);
+  TORCH_CHECK_VALUE(w13.dim() == 3 && w2.dim() == 3, "w13 must be [E, 2*I, H] and w2 [E, H, I]; got w13 ",
+                    py_tuple(w13.sizes()), ", w2 ", py_tuple(w2.sizes()));
+  const int64_t num_local = w13.size(0), two_i = w13.size(1);
+  TORCH_CHECK_VALUE(two_i % 2 == 0, "w13 dim 1 (2*I) must be even, got ", two_i);
+  TORCH_CHECK_VALUE(w13.size(2) == hidden, "w13 hidden size ", w13.size(2), " != hidden_states hidden size ",
+                    hidden);
+  const std::array<int64_t, 3> w2_shape = {num_local, hidden, two_i / 2};
+  TORCH_CHECK_VALUE(w2.sizes().equals(w2_shape), "w2 shape ", py_tuple(w2.sizes()), " does not match w13 ",
+                    py_tuple(w13.sizes()), ": expected ", py_tuple(w2_shape));
+  const std::array<at::ScalarType, 2> weight_dtypes = {x.scalar_type(), at::kFloat};
+  TORCH_CHECK_VALUE(one_of(w13.scalar_type(), weight_dtypes) && one_of(w2.scalar_type(), weight_dtypes),
+                    "weights must have the dtype of hidden_states (", py(x.scalar_type()),
+                    ", or float32 on the CPU); got w13 ", py(w13.scalar_type()), ", w2 ", py(w2.scalar_type()));
+  TORCH_CHECK_VALUE(topk_ids.dim() == 2 && topk_ids.size(0) == tokens, "topk_ids must be [tokens=", tokens,
+                    ", top_k], got shape ", py_tuple(topk_ids.sizes()));
+  const std::array<at::ScalarType, 2> id_dtypes = {at::kInt, at::kLong};
+  TORCH_CHECK_VALUE(one_of(topk_ids.scalar_type(), id_dtypes), "topk_ids must be int32 or int64, got ",
+                    py(topk_ids.scalar_type()));
+  TORCH_CHECK_VALUE(topk_weights.sizes().equals(topk_ids.sizes()), "topk_weights shape ",
+                    py_tuple(topk_weights.sizes()), " != topk_ids shape ", py_tuple(topk_ids.sizes()));
+  TORCH_CHECK_VALUE(topk_weights.is_floating_point(), "topk_weights must be floating point, got ",
+                    py(topk_weights.scalar_type()));
+  if (expert_map.has_value())
+    TORCH_CHECK_VALUE(expert_map->dim() == 1 && one_of(expert_map->scalar_type(), id_dtypes),
+                      "expert_map must be a 1-D int32/int64 tensor, got ", py(expert_map->scalar_type()), " ",
+                      py_tuple(expert_map->sizes()));
+  std::vector<std::pair<const char*, const at::Tensor*>> named = {
+      {"w13", &w13}, {"w2", &w2}, {"topk_weights", &topk_weights}, {"topk_ids", &topk_ids}};
+  if (expert_map.has_value()) named.emplace_back("expert_map", &*expert_map);
+  for (const auto& [name, t] : named)
+    TORCH_CHECK_VALUE(t->device() == x.device(), name, " is on ", t->device().str(), " but hidden_states is on ",
+                      x.device().str());
+}
+
 }  // namespace
 
 // Runs the rows through their experts into out ([rows, H], zero-filled). The GEMMs read each
@@ -285,12 +373,12 @@ at::Tensor combine_topk(const at::Tensor& rows_in, const at::Tensor& weights_in)
   return out;
 }
 
-// The whole layer (reference.fused_moe_reference's contract, arguments checked by the caller
-// except the id values, checked here): rows (t, k) in token order, each through the local expert
-// of topk_ids[t, k], then the fixed-order combine.
+// mok_serve::fused_moe on CPU tensors (reference.fused_moe_reference's contract): rows (t, k) in
+// token order, each through the local expert of topk_ids[t, k], then the fixed-order combine.
 at::Tensor fused_moe(const at::Tensor& x_in, const at::Tensor& w13, const at::Tensor& w2,
                      const at::Tensor& topk_weights, const at::Tensor& topk_ids_in,
-                     const c10::optional<at::Tensor>& expert_map_in) {
+                     const c10::optional<at::Tensor>& expert_map_in, std::string_view activation) {
+  check_fused_moe_args(x_in, w13, w2, topk_weights, topk_ids_in, expert_map_in, activation);
   at::Tensor x = x_in.contiguous(), topk_ids = topk_ids_in.to(at::kLong).contiguous();
   const int64_t tokens = topk_ids.size(0), top_k = topk_ids.size(1), num_local = w13.size(0);
   at::Tensor expert_map;
@@ -298,6 +386,7 @@ at::Tensor fused_moe(const at::Tensor& x_in, const at::Tensor& w13, const at::Te
   const int64_t num_global = expert_map.defined() ? expert_map.numel() : num_local;
   const int64_t* ids = topk_ids.data_ptr<int64_t>();
   const int64_t num_rows = tokens * top_k;
+  // check_fused_moe_args' value checks, here where the ids are read anyway (as there: none without ids).
   if (num_rows) {
     const auto [lo, hi] = std::minmax_element(ids, ids + num_rows);
     TORCH_CHECK_VALUE(*lo >= 0 && *hi < num_global, "topk_ids out of range: found ids in [", *lo, ", ", *hi,
@@ -305,7 +394,7 @@ at::Tensor fused_moe(const at::Tensor& x_in, const at::Tensor& w13, const at::Te
   }
   std::vector<int64_t> token(num_rows), expert(ids, ids + num_rows);
   for (int64_t r = 0; r < num_rows; ++r) token[r] = r / top_k;
-  if (expert_map.defined() && num_global) {
+  if (num_rows && expert_map.defined() && num_global) {
     const int64_t* map = expert_map.data_ptr<int64_t>();
     const auto [lo, hi] = std::minmax_element(map, map + num_global);
     TORCH_CHECK_VALUE(*lo >= -1 && *hi < num_local, "expert_map values must be -1 or local expert ids in [0, ",
@@ -320,11 +409,14 @@ at::Tensor fused_moe(const at::Tensor& x_in, const at::Tensor& w13, const at::Te
 TORCH_LIBRARY(mok_serve_cpu, m) {
   m.def("expert_rows(Tensor x, Tensor row_token, Tensor row_expert, Tensor w13, Tensor w2) -> Tensor");
   m.def("combine_topk(Tensor rows, Tensor weights) -> Tensor");
-  m.def("fused_moe(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, Tensor? expert_map) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mok_serve_cpu, CPU, m) {
   m.impl("expert_rows", &expert_rows);
   m.impl("combine_topk", &combine_topk);
-  m.impl("fused_moe", &fused_moe);
 }
+
+// kernels/__init__.py defines mok_serve::fused_moe with a Python kernel for every backend. A CPU
+// kernel takes precedence over that one for CPU tensors, so once this library is loaded (on the
+// first CPU call, by cpu_moe.available()) a CPU call runs no Python.
+TORCH_LIBRARY_IMPL(mok_serve, CPU, m) { m.impl("fused_moe", &fused_moe); }

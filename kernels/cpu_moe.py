@@ -6,6 +6,11 @@ of torch ops per call; at decode sizes that overhead is most of a layer's time. 
 sums every GEMM element in a fixed order itself (batch invariant by construction, no padding),
 reads bf16 weights directly and runs the whole layer in one call.
 
+The extension registers that kernel as the CPU kernel of ``torch.ops.mok_serve.fused_moe``, with
+``reference.check_fused_moe_args``' checks in C++: once it is loaded, a call on CPU tensors goes
+from the dispatcher straight to C++, without Python (whose wrapper and checks cost as much as the
+kernel at decode sizes). Until then the op's Python kernel runs ``fused_moe_cpu``, which loads it.
+
 It is compiled with ``torch.utils.cpp_extension`` (a C++ compiler and ninja, which vLLM's CPU
 build needs as well) into torch's extension cache, once per machine. Where it cannot be built,
 a warning says why and the torch reference runs instead: same function, slower.
@@ -27,16 +32,22 @@ logger = logging.getLogger(__name__)
 # cpu_timer.cpp: mok_serve.vllm.timing's per-layer timer op, built into the same extension.
 _SOURCES = [Path(__file__).with_name(n) for n in ("cpu_moe.cpp", "cpu_timer.cpp")]
 _built: bool | None = None
+# Redispatching with this key set calls the extension's CPU kernel of an op whatever its inputs' devices.
+_CPU_KERNEL = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 
 
 def _build_name() -> str:
-    # -march=native code must not be loaded on another kind of CPU sharing the same cache.
+    # -march=native code must not be loaded on another kind of CPU sharing the same cache, and two
+    # checkouts with different sources (a CI clone beside a working tree) must not rebuild one
+    # folder in turn: the name covers both.
     try:
         flags = next(line for line in open("/proc/cpuinfo") if line.startswith(("flags", "Features")))
     except (OSError, StopIteration):
         flags = ""
-    digest = hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
-    return f"mok_serve_cpu_{digest}"
+    digest = hashlib.sha1(f"{platform.machine()} {flags}".encode())
+    for source in _SOURCES:
+        digest.update(source.read_bytes())
+    return f"mok_serve_cpu_{digest.hexdigest()[:10]}"
 
 
 def _load(name: str, build_dir: Path, timeout_s: float) -> None:
@@ -115,13 +126,14 @@ def fused_moe_cpu(
     expert_map: torch.Tensor | None = None,
     activation: str = "silu",
 ) -> torch.Tensor:
-    """``fused_moe`` on CPU tensors (same arguments and result as ``reference.fused_moe_reference``)."""
+    """``fused_moe`` on CPU ``hidden_states`` in the op's Python kernel (same arguments and result as
+    ``reference.fused_moe_reference``). It runs where the dispatcher has no C++ kernel to call: on the
+    first CPU call, which loads the extension; on every call where it cannot be built; on calls with
+    other tensors on another device, which the C++ checks reject."""
     if not available():
         return reference.fused_moe_reference(
             hidden_states, w13, w2, topk_weights, topk_ids, expert_map=expert_map, activation=activation
         )
-    # The C++ op checks the id values itself (same messages), without a second pass in Python.
-    reference.check_fused_moe_args(
-        hidden_states, w13, w2, topk_weights, topk_ids, expert_map, activation, check_values=False
+    return torch.ops.mok_serve.fused_moe.default.redispatch(
+        _CPU_KERNEL, hidden_states, w13, w2, topk_weights, topk_ids, expert_map, activation
     )
-    return torch.ops.mok_serve_cpu.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, expert_map)

@@ -1,4 +1,9 @@
-"""The C++ CPU kernel (kernels/cpu_moe.cpp) against the torch reference, and its invariances."""
+"""The C++ CPU kernel (kernels/cpu_moe.cpp) against the torch reference, its invariances, and its
+registration as the CPU kernel of mok_serve::fused_moe (no Python per call, the reference's errors)."""
+
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -97,10 +102,125 @@ def test_bad_rows_raise_naming_the_problem():
         cpu_moe.expert_rows(x.double(), torch.tensor([0]), torch.tensor([0]), w13.double(), w2.double())
 
 
-def test_without_the_kernel_the_reference_runs(monkeypatch):
+def run_fresh(code: str) -> None:
+    """Runs ``code`` in a new Python process, where the extension is not loaded yet."""
+    prelude = """
+        import torch
+        from mok_serve.kernels import cpu_moe, fused_moe, reference
+        x, w13, w2 = torch.randn(5, 64).bfloat16(), torch.randn(4, 64, 64).bfloat16(), torch.randn(4, 64, 32).bfloat16()
+        weights, ids = torch.rand(5, 2), torch.randint(0, 4, (5, 2))
+        def has_cpu_kernel():
+            return torch._C._dispatch_has_kernel_for_dispatch_key("mok_serve::fused_moe", "CPU")
+    """
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(prelude) + textwrap.dedent(code)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_the_first_cpu_call_loads_the_kernel_and_later_ones_skip_python():
+    run_fresh("""
+        python_calls = []
+        real = cpu_moe.fused_moe_cpu
+        cpu_moe.fused_moe_cpu = lambda *a, **kw: python_calls.append(1) or real(*a, **kw)
+        assert not has_cpu_kernel()
+        first = fused_moe(x, w13, w2, weights, ids)
+        assert python_calls == [1] and has_cpu_kernel()
+        assert torch.equal(fused_moe(x, w13, w2, weights, ids), first) and python_calls == [1]
+    """)
+
+
+def test_without_the_kernel_the_reference_runs():
+    run_fresh("""
+        def no_compiler(*args, **kwargs):
+            raise OSError("no compiler here")
+        cpu_moe._load = no_compiler
+        got = fused_moe(x, w13, w2, weights, ids)
+        assert not cpu_moe.available() and not has_cpu_kernel()
+        assert torch.equal(got, reference.fused_moe_reference(x, w13, w2, weights, ids))
+    """)
+
+
+def python_kernel_fails(*args, **kwargs):
+    raise AssertionError("the Python kernel of mok_serve::fused_moe ran")
+
+
+def test_cpu_calls_go_straight_to_the_cpp_kernel(monkeypatch):
     x, w13, w2, weights, ids = make_layer(13, 72, 36, 5, 3, torch.bfloat16)
-    monkeypatch.setattr(cpu_moe, "_built", False)
-    assert torch.equal(fused_moe(x, w13, w2, weights, ids), reference.fused_moe_reference(x, w13, w2, weights, ids))
+    through_python = cpu_moe.fused_moe_cpu(x, w13, w2, weights, ids)
+    monkeypatch.setattr(cpu_moe, "fused_moe_cpu", python_kernel_fails)
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("mok_serve::fused_moe", "CPU")
+    assert torch.equal(fused_moe(x, w13, w2, weights, ids), through_python)
+
+
+def set_meta(name):
+    return lambda a: a.update({name: a[name].to("meta")})
+
+
+# Every check of reference.check_fused_moe_args, and a few calls it accepts.
+ARGUMENT_CHANGES = [
+    lambda a: a.update(activation="gelu"),
+    lambda a: a.update(activation="it's \\ a\n\x01"),
+    lambda a: a.update(x=a["x"][None]),
+    lambda a: a.update(x=a["x"][0]),
+    lambda a: a.update(x=a["x"].to(torch.int32)),
+    lambda a: a.update(x=a["x"].double()),
+    lambda a: a.update(x=a["x"].to(torch.float8_e4m3fn)),
+    lambda a: a.update(w13=a["w13"][0]),
+    lambda a: a.update(w2=a["w2"][None]),
+    lambda a: a.update(w13=a["w13"][:, :-1]),
+    lambda a: a.update(x=a["x"][:, :-1]),
+    lambda a: a.update(w2=a["w2"][:, :, :-1]),
+    lambda a: a.update(w2=a["w2"][:-1]),
+    lambda a: a.update(w13=a["w13"].half()),
+    lambda a: a.update(w2=a["w2"].double()),
+    lambda a: a.update(w13=a["w13"].float(), w2=a["w2"].float()),  # accepted: float32 weights on the CPU
+    lambda a: a.update(ids=a["ids"][0]),
+    lambda a: a.update(ids=a["ids"][:-1]),
+    lambda a: a.update(ids=a["ids"].float()),
+    lambda a: a.update(ids=a["ids"].to(torch.int16)),
+    lambda a: a.update(weights=a["weights"][:, :1]),
+    lambda a: a.update(weights=a["weights"].long()),
+    lambda a: a.update(expert_map=torch.zeros(2, 4, dtype=torch.int32)),
+    lambda a: a.update(expert_map=torch.arange(4.0)),
+    lambda a: a.update(expert_map=torch.tensor([0, 1, 2, 9], dtype=torch.int32)),
+    lambda a: a.update(expert_map=torch.tensor([0, -2, 2, 3])),
+    lambda a: a.update(expert_map=torch.tensor([0, 1, 2, 3, -1])),  # accepted: global expert 4 is not local
+    lambda a: a.update(ids=a["ids"] + 100),
+    lambda a: a.update(ids=a["ids"] - 100),
+    lambda a: a.update(expert_map=torch.tensor([0, 1, -1], dtype=torch.int32)),  # ids of 3 global experts
+    # accepted: no ids, so no value checks
+    lambda a: a.update(x=a["x"][:0], weights=a["weights"][:0], ids=a["ids"][:0] + 100, expert_map=torch.tensor([9])),
+    set_meta("w13"),
+    set_meta("w2"),
+    set_meta("weights"),
+    set_meta("ids"),
+    lambda a: a.update(expert_map=torch.arange(4, device="meta")),
+]
+
+
+@pytest.mark.parametrize("change", ARGUMENT_CHANGES)
+def test_bad_arguments_raise_the_reference_message(change, monkeypatch):
+    x, w13, w2, weights, ids = make_layer(6, 64, 32, 4, 2, torch.bfloat16)
+    args = dict(x=x, w13=w13, w2=w2, weights=weights, ids=ids, expert_map=None, activation="silu")
+    change(args)
+    tensors = list(args.values())[:5]
+
+    def message(fn):
+        try:
+            fn(*tensors, expert_map=args["expert_map"], activation=args["activation"])
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    want = message(reference.check_fused_moe_args)
+    # Tensors on two devices reach the C++ kernel through the op's Python kernel (as CPU and CUDA
+    # tensors do: their dispatch key is CUDA's); the others straight from the dispatcher.
+    if any(isinstance(a, torch.Tensor) and a.is_meta for a in args.values()):
+        got = message(cpu_moe.fused_moe_cpu)
+    else:
+        monkeypatch.setattr(cpu_moe, "fused_moe_cpu", python_kernel_fails)
+        got = message(fused_moe)
+    assert got == want
 
 
 def test_a_dead_builders_lock_does_not_block_loading(tmp_path, monkeypatch):
