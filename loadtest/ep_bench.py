@@ -517,36 +517,13 @@ PLOT_SERIES = (  # (key of row["ms"] or of the row, label, color); kittens in bl
 
 
 def write_plot(rows, meta, path):
-    """Time (ms, log) against tokens per rank (log), one panel per shape; uniform solid, skewed dashed."""
-    import matplotlib
+    """Time against tokens per rank, one panel per shape (``layer_bench.plot_time_by_shape``)."""
+    from .layer_bench import plot_time_by_shape
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in rows if "error" not in r]
-    shapes = list(dict.fromkeys(r["shape"] for r in rows))
-    if not shapes:
-        return
-    fig, axes = plt.subplots(1, len(shapes), figsize=(4.2 * len(shapes) + 2.5, 4), squeeze=False)
-    for ax, shape in zip(axes[0], shapes):
-        for routing, style in (("uniform", "-"), ("skewed", "--")):
-            rs = sorted((r for r in rows if r["shape"] == shape and r["routing"] == routing), key=lambda r: r["tokens"])
-            for key, label, color in PLOT_SERIES:
-                pts = [(r["tokens"], r["ms"].get(key, r.get(key))) for r in rs]
-                pts = [(t, v) for t, v in pts if v is not None]
-                if pts:
-                    ax.plot(*zip(*pts), style, color=color, marker="o", ms=3, label=f"{label}, {routing}")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(shape)
-        ax.set_xlabel("tokens per rank")
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].set_ylabel("ms (median of the max across ranks)")
-    axes[0][-1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1))
-    fig.suptitle(f"EP={meta['world']} x {meta['gpu']}, commit {meta['commit']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    series = [(label, color, lambda r, key=key: r["ms"].get(key, r.get(key))) for key, label, color in PLOT_SERIES]
+    plot_time_by_shape([r for r in rows if "error" not in r], series, path, xlabel="tokens per rank",
+                       ylabel="ms (median of the max across ranks)",
+                       title=f"EP={meta['world']} x {meta['gpu']}, commit {meta['commit']}")
 
 
 def write_results(rows, meta, out: pathlib.Path):

@@ -479,35 +479,46 @@ def write_markdown_fp8(meta, rows, path):
     path.write_text("\n".join(lines) + "\n")
 
 
-def write_plot(rows, path):
+def plot_time_by_shape(rows, series, path, *, xlabel, ylabel, title=None):
+    """Time (log) against tokens (log), one panel per shape, uniform routing solid and skewed dashed;
+    ``series`` is ``(label, color, value)`` with ``value(row)`` a time or None where the row has none.
+    Shared by this benchmark's plot and ``ep_bench``'s."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
-    fig, axes = plt.subplots(1, len(shapes), figsize=(4.2 * len(shapes), 4), squeeze=False)
+    if not shapes:
+        return
+    fig, axes = plt.subplots(1, len(shapes), figsize=(4.2 * len(shapes) + 2.5, 4), squeeze=False)
     for ax, shape in zip(axes[0], shapes):
         for routing, style in (("uniform", "-"), ("skewed", "--")):
-            rs = [r for r in rows if r["shape"] == shape and r["routing"] == routing]
-            if not rs:
-                continue
-            t = [r["tokens"] for r in rs]
-            for key, color in (("kittens_ms", "C0"), ("torch_ms", "C1"), ("transformers_ms", "C2"),
-                               ("dequant_torch_ms", "C3"), ("floor_ms", "k")):
-                if key not in rs[0]:
-                    continue
-                ax.plot(t, [r[key] for r in rs], style, color=color, marker="o", ms=3,
-                        label=f"{key[:-3]} {routing}")
+            rs = sorted((r for r in rows if r["shape"] == shape and r["routing"] == routing), key=lambda r: r["tokens"])
+            for label, color, value in series:
+                pts = [(r["tokens"], value(r)) for r in rs]
+                pts = [(t, v) for t, v in pts if v is not None]
+                if pts:
+                    ax.plot(*zip(*pts), style, color=color, marker="o", ms=3, label=f"{label}, {routing}")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(shape)
-        ax.set_xlabel("tokens")
+        ax.set_xlabel(xlabel)
         ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].set_ylabel("ms (median, CUDA graph replay)")
-    axes[0][-1].legend(fontsize=6)
+    axes[0][0].set_ylabel(ylabel)
+    axes[0][-1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1))
+    if title:
+        fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_plot(rows, path):
+    series = [(key[:-3], color, lambda r, key=key: r.get(key))
+              for key, color in (("kittens_ms", "C0"), ("torch_ms", "C1"), ("transformers_ms", "C2"),
+                                 ("dequant_torch_ms", "C3"), ("floor_ms", "k"))]
+    plot_time_by_shape(rows, series, path, xlabel="tokens", ylabel="ms (median, CUDA graph replay)")
 
 
 def git_commit() -> str:
