@@ -24,6 +24,10 @@ def _rank_main(rank, world, port, backend, scenario, queue):
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         if backend == "nccl":
+            # NVLink multicast stays off in every GPU group the tests start (the lent machines' notes).
+            for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                               ("NVSHMEM_DISABLE_NVLS", "1")):
+                os.environ.setdefault(key, value)
             torch.cuda.set_device(rank)
             dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
         else:

@@ -11,12 +11,11 @@ Every rank draws the same global inputs, runs its share through ``SymmetricMemor
 checks the result bitwise against one-GPU ``fused_moe`` on the global inputs with all experts, and
 against the torch reference within bf16 tolerance; each scenario runs for bf16 experts and for FP8
 block-scaled ones (``quant``). Run with ``pytest -m gpu`` on a machine with
-2 or more GPUs; NVLink multicast stays off (NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-NVSHMEM_DISABLE_NVLS=1).
+2 or more GPUs; NVLink multicast stays off (``rank_runner`` sets NCCL_NVLS_ENABLE=0
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 in every NCCL rank).
 """
 
 import functools
-import os
 
 import pytest
 import rank_runner
@@ -27,10 +26,6 @@ pytestmark = pytest.mark.gpu
 
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA GPUs", allow_module_level=True)
-
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
 WORLD = min(8, torch.cuda.device_count())
 

@@ -12,7 +12,6 @@ bitwise with one-GPU ``fused_moe`` on the global inputs.
 """
 
 import functools
-import os
 import sys
 import types
 
@@ -24,10 +23,6 @@ pytestmark = pytest.mark.gpu
 
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA GPUs", allow_module_level=True)
-
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
 WORLD = min(2, torch.cuda.device_count())
 H, I, E, K = 512, 256, 16, 4
