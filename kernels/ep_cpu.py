@@ -22,6 +22,8 @@ One segment per rank serves every layer and call: a rank writes new tokens only 
 has finished reading its old ones (they raise COMPUTED after reading), and new results only
 after every peer has posted the next call (so it has finished combining the previous one).
 Every wait is bounded and fails with ``PeerTimeoutError`` naming the rank and what it awaited.
+A call's ``max_tokens_across_ranks`` (which sizes the GPU version's grids; here the schedule is
+sized by the posted counts anyway) is posted too and must be the same on every rank.
 Flags are aligned int64 stores and loads, ordered after the data they publish on x86-64 (TSO).
 """
 
@@ -38,7 +40,7 @@ from .cpu_moe import combine_topk, expert_rows
 from .fp8 import BLOCK_SHAPE, check_fused_moe_fp8_args, fp8_expert_rows
 from .reference import check_fused_moe_args
 
-POSTED, COMPUTED, NUM_TOKENS = 0, 1, 2
+POSTED, COMPUTED, NUM_TOKENS, CALL_BOUND = 0, 1, 2, 3
 FLAG_SLOTS = 8
 ALIGN = 64
 
@@ -191,10 +193,13 @@ class SharedMemoryEPWorkspace:
         *,
         layer: str = "?",
         on_phase=None,
+        max_tokens_across_ranks: int | None = None,
     ) -> torch.Tensor:
         """This rank's tokens through the experts of every rank: ``[T, H]``, as ``fused_moe``.
         ``on_phase(name)``, if given, is called as the ``"experts"`` and ``"combine"`` phases
-        start (after dispatch has pulled every row, after this rank's experts): per-layer timing."""
+        start (after dispatch has pulled every row, after this rank's experts): per-layer timing.
+        ``max_tokens_across_ranks``: as for ``SymmetricMemoryEPWorkspace.fused_moe`` (checked: at
+        least this rank's tokens, at most the workspace limit, the same on every rank)."""
         check_fused_moe_args(
             hidden_states, w13, w2, topk_weights, topk_ids, self.placement.expert_map(self.rank), "silu"
         )
@@ -202,7 +207,7 @@ class SharedMemoryEPWorkspace:
         def run_rows(x, row_token, row_expert):
             return expert_rows(x, row_token, row_expert, w13, w2)
 
-        return self._call(hidden_states, topk_weights, topk_ids, run_rows, layer, on_phase)
+        return self._call(hidden_states, topk_weights, topk_ids, run_rows, layer, on_phase, max_tokens_across_ranks)
 
     def fused_moe_fp8(
         self,
@@ -217,6 +222,7 @@ class SharedMemoryEPWorkspace:
         block_shape=BLOCK_SHAPE,
         layer: str = "?",
         on_phase=None,
+        max_tokens_across_ranks: int | None = None,
     ) -> torch.Tensor:
         """``fused_moe`` with block-scaled FP8 experts, as ``fused_moe_fp8``. Token rows travel in the
         activation dtype and are quantized (per token, so exactly as on one rank) where they run."""
@@ -228,9 +234,10 @@ class SharedMemoryEPWorkspace:
         def run_rows(x, row_token, row_expert):
             return fp8_expert_rows(x, row_token, row_expert, w13, w2, w13_scale, w2_scale, block)
 
-        return self._call(hidden_states, topk_weights, topk_ids, run_rows, layer, on_phase)
+        return self._call(hidden_states, topk_weights, topk_ids, run_rows, layer, on_phase, max_tokens_across_ranks)
 
-    def _call(self, hidden_states, topk_weights, topk_ids, run_rows, layer: str, on_phase) -> torch.Tensor:
+    def _call(self, hidden_states, topk_weights, topk_ids, run_rows, layer: str, on_phase,
+              max_tokens_across_ranks: int | None) -> torch.Tensor:
         tokens = hidden_states.shape[0]
         if tokens > self.max_tokens or hidden_states.shape[1] != self.hidden or topk_ids.shape[1] != self.top_k:
             raise ValueError(
@@ -239,6 +246,12 @@ class SharedMemoryEPWorkspace:
             )
         if hidden_states.dtype != self.dtype:
             raise ValueError(f"kittens EP workspace is for {self.dtype}, got {hidden_states.dtype}")
+        bound = self.max_tokens if max_tokens_across_ranks is None else max_tokens_across_ranks
+        if not tokens <= bound <= self.max_tokens:
+            raise ValueError(
+                f"max_tokens_across_ranks={bound} must be at least this rank's {tokens} tokens and at most "
+                f"the workspace's max_tokens_per_rank={self.max_tokens}"
+            )
         epoch = self.epoch + 1
         me = self.segments[self.rank]
 
@@ -247,8 +260,16 @@ class SharedMemoryEPWorkspace:
             me.ids[:tokens] = topk_ids
             me.x[:tokens] = hidden_states
         me.flags[NUM_TOKENS] = tokens
+        me.flags[CALL_BOUND] = bound
         me.flags[POSTED] = epoch
         self._wait_for_peers(POSTED, epoch, "post its tokens", layer)
+        for peer, seg in enumerate(self.segments):
+            if int(seg.flags[CALL_BOUND]) != bound:
+                raise ValueError(
+                    f"kittens EP rank {self.rank}: rank {peer} passed max_tokens_across_ranks="
+                    f"{int(seg.flags[CALL_BOUND])}, this rank {bound} (layer {layer}, call {epoch}); every "
+                    f"rank must pass the same value"
+                )
 
         # 2. the schedule, identical on every rank: rows in (source rank, token, k) order.
         if self.replicated:

@@ -12,20 +12,26 @@ Segment of rank ``r`` (``S`` sources = world size, or 1 with ``replicated_tokens
   segment), polled by ``r`` locally with acquire loads; slots ``POSTED`` and ``COMPUTED``; the
   value is the call's epoch (a device counter, so CUDA-graph replays advance it too; flags only
   grow, so nothing is ever reset);
-- ``n`` (tokens posted), ``ids [maxT, K]`` int32 and ``x [maxT, H]``: this rank's tokens;
-- ``y [S * maxT * K, H]``: expert outputs this rank computed, row ``(s * maxT + t) * K + k``
+- ``n`` (tokens posted) and the call's bound ``B``, ``ids [maxT, K]`` int32 and ``x [maxT, H]``:
+  this rank's tokens;
+- ``y [S * maxT * K, H]``: expert outputs this rank computed, row ``(s * B + t) * K + k``
   (pull return: the home rank reads them);
 - ``ret [maxT * K, H]``: the results of this rank's own tokens, row ``t * K + k`` (push return:
   the owners write them).
 
+``B`` (``max_tokens_across_ranks``, at most ``maxT``) bounds every rank's tokens in this call and is
+the same on every rank; the call's grids, the schedule's scan and the row layout below are sized
+by it, so a decode step on a workspace sized for prefills does not pay for ``maxT`` tokens.
+
 One call, on rank ``me`` (launches in stream order; epoch ``e``):
 
-1. ``post``: copy ``hidden_states`` and ``topk_ids`` (as int32) into the segment, store ``n``.
+1. ``post``: copy ``hidden_states`` and ``topk_ids`` (as int32) into the segment, store ``n`` and ``B``.
 2. ``sync(POSTED)``: ``e = epoch + 1``; release-store ``e`` into every peer's ``flags[POSTED, me]``,
    then wait (bounded) until every peer's ``flags[POSTED, p] >= e``.
 3. ``gather``: read every source's ``n`` and top-k ids from its segment into ``all_ids
-   [S * maxT, K]`` (``-1`` past ``n``), and **pull** each source token row that has at least one
-   local expert, once, from the source's ``x`` into ``xl [S * maxT, H]`` (unless GEMM1 pulls).
+   [S * B, K]`` (``-1`` past ``n``; a source that posted another ``B`` is an error), and **pull**
+   each source token row that has at least one local expert, once, from the source's ``x`` into
+   ``xl [S * B, H]`` (unless GEMM1 pulls).
 4. ``schedule``: ``triton_moe``'s prefix-sum schedule over ``all_ids`` with this rank's expert map:
    per local expert, its rows in (source rank, token, k) order; positions by prefix sums only.
 5. ``gemm1`` / ``gemm2``: ``triton_moe``'s grouped GEMM tiles (same block sizes rule, BLOCK_K per
@@ -41,7 +47,7 @@ One call, on rank ``me`` (launches in stream order; epoch ``e``):
    rank ``s`` at ``t * K + k`` (remote stores in the epilogue).
 6. ``sync(COMPUTED)``: release-store ``e`` into every peer's ``flags[COMPUTED, me]``; wait for all.
 7. ``combine``: ``out[t] = sum_k w[t, k] * y_k`` in fp32 in k order, where ``y_k`` is pulled from
-   the owner of expert ``ids[t, k]`` (its ``y`` row ``(me * maxT + t) * K + k``) or read from the
+   the owner of expert ``ids[t, k]`` (its ``y`` row ``(me * B + t) * K + k``) or read from the
    local ``ret`` (push). Same arithmetic as ``triton_moe``'s combine, so the output is bitwise that
    of one-GPU ``fused_moe`` on the global inputs (each row's GEMM result depends only on the row).
 
@@ -61,8 +67,7 @@ call (or ``check_errors()``, which synchronises) raises it. With ``MOK_EP_SYNC_C
 replay only ``check_errors()`` reports.
 
 Not done (see kernels/NOTES.md "Expert parallel"): the in-GEMM1 pull is not the default yet
-and FP8 rows are always pulled before GEMM1; GEMM2 and the return do not overlap; grids are sized
-for the workspace limit ``max_tokens_per_rank``, not the call's tokens.
+and FP8 rows are always pulled before GEMM1; GEMM2 and the return do not overlap.
 """
 
 from __future__ import annotations
@@ -107,6 +112,8 @@ POSTED, COMPUTED = 0, 1
 NUM_SLOTS = 2
 ROWS = 2  # error code only: GEMM1 waited in vain for pulled rows (no flag slot)
 _ROWS_ERR = tl.constexpr(1 + ROWS)
+BOUND = 3  # error code only: a peer's call was sized by another max_tokens_across_ranks
+_BOUND_ERR = tl.constexpr(1 + BOUND)
 PULL_BT = 16  # tokens per pulled chunk (one claim and one ready flag each)
 # state (local int64 words): epoch, error code (slot + 1), error peer, error epoch, wait ns per slot
 # (words 4 and 5); word 6 is the sync kernel's clock word
@@ -178,18 +185,19 @@ def _ep_sync_kernel(
 
 @triton.jit
 def _ep_post_kernel(
-    x_ptr, ids_ptr, seg_x_ptr, seg_xs_ptr, seg_ids_ptr, seg_n_ptr, tokens, H, id_programs,
+    x_ptr, ids_ptr, seg_x_ptr, seg_xs_ptr, seg_ids_ptr, seg_n_ptr, tokens, bound, H, id_programs,
     stride_xt, stride_xh, stride_it, stride_ik,
     TOPK: tl.constexpr, K_PAD: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr,
     COPY_X: tl.constexpr, QUANT: tl.constexpr, QROWS: tl.constexpr, RNE_FIX: tl.constexpr,
 ):
-    """Programs ``< id_programs``: ``n``, the ids and (``COPY_X``) the token rows of ``BT`` tokens
-    into the segment. The others (``QUANT``): ``triton_moe_fp8``'s quantization pass, e4m3 rows into
+    """Programs ``< id_programs``: ``n``, the call's token bound, the ids and (``COPY_X``) the token
+    rows of ``BT`` tokens into the segment. The others (``QUANT``): ``triton_moe_fp8``'s quantization pass, e4m3 rows into
     ``seg_x`` and their 1 x 128 group scales into ``seg_xs``, bit for bit as on one GPU."""
     pid = tl.program_id(0)
     if pid < id_programs:
         if pid == 0:
             tl.store(seg_n_ptr, tokens)
+            tl.store(seg_n_ptr + 1, bound)
         offs_t = pid * BT + tl.arange(0, BT)
         t_ok = offs_t < tokens
         offs_k = tl.arange(0, K_PAD)
@@ -230,7 +238,7 @@ def _copy_rows(src_ptr, dst_ptr, src_rows, dst_rows, need, width, begin, end, BL
 
 @triton.jit
 def _ep_gather_kernel(
-    ntab_ptr, idtab_ptr, xtab_ptr, xstab_ptr, all_ids_ptr, xl_ptr, xsl_ptr, emap_ptr, queue_ptr,
+    ntab_ptr, idtab_ptr, xtab_ptr, xstab_ptr, all_ids_ptr, xl_ptr, xsl_ptr, emap_ptr, queue_ptr, state_ptr,
     max_tokens, H, G, num_global, num_local,
     TOPK: tl.constexpr, K_PAD: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr,
     COPY_ROWS: tl.constexpr, SCALES: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -239,7 +247,8 @@ def _ep_gather_kernel(
     pull of each of its token rows that has a local expert, once, from its segment into
     ``xl[s * maxT + t]`` (FP8: the e4m3 row, copied as bytes, and with ``SCALES`` its ``G`` fp32
     group scales into ``xsl``). Without ``COPY_ROWS`` GEMM1 pulls the rows (``_ep_gemm1_pull_kernel``)
-    and this zeroes its chunk queue.
+    and this zeroes its chunk queue. ``max_tokens`` is the call's bound on any source's tokens: source
+    ``s``'s rows start at ``s * max_tokens`` in ``all_ids`` and ``xl``.
 
     Grid ``(S, token blocks, column blocks)``: program ``(s, i, j)`` copies columns
     ``[j * BLOCK_H, (j + 1) * BLOCK_H)`` of its rows, so a row's remote reads are issued by
@@ -251,8 +260,16 @@ def _ep_gather_kernel(
         if (s == 0) & (tl.program_id(1) == 0):
             tl.store(queue_ptr, 0)
     offs_t = tl.program_id(1) * BT + tl.arange(0, BT)
-    n_s = tl.load(tl.load(ntab_ptr + s).to(tl.pointer_type(tl.int32)))
-    n_s = tl.minimum(tl.maximum(n_s, 0), max_tokens)
+    n_ptr = tl.load(ntab_ptr + s).to(tl.pointer_type(tl.int32))
+    n_s = tl.minimum(tl.maximum(tl.load(n_ptr), 0), max_tokens)
+    if (tl.program_id(1) == 0) & (hb == 0):
+        # Every rank lays the call's rows out by the same bound (``max_tokens`` here); a source that
+        # posted another one is a caller's error, reported like a timeout (every later wait gives up).
+        # After a timeout the silent peer's words are stale: the timeout is the error to report.
+        if (tl.load(n_ptr + 1) != max_tokens) & (tl.load(state_ptr + 1) == 0):
+            tl.store(state_ptr + 2, s.to(tl.int64))
+            tl.store(state_ptr + 3, tl.load(state_ptr + 0))
+            tl.store(state_ptr + 1, tl.full((), _BOUND_ERR, tl.int64))
     offs_k = tl.arange(0, K_PAD)
     k_ok = offs_k < TOPK
     t_in = offs_t < max_tokens
@@ -609,7 +626,7 @@ class SymmetricMemoryEPWorkspace:
         G = triton.cdiv(H, GROUP)
         x_dtype = FP8_DTYPE if fp8 else dtype
         self.flags = view(lay.flags, NUM_SLOTS * self.world_size, torch.int32)
-        self.seg_n = view(lay.n, 1, torch.int32)
+        self.seg_n = view(lay.n, 2, torch.int32)  # tokens posted, the call's bound (max_tokens_across_ranks)
         self.seg_ids = view(lay.ids, T * K, torch.int32)
         self.seg_x = view(lay.x, T * H, x_dtype)
         self.seg_xs = view(lay.xs, T * G, torch.float32) if fp8 else None
@@ -656,13 +673,20 @@ class SymmetricMemoryEPWorkspace:
         if code:
             slot, peer, epoch = code - 1, int(words[ST_ERR_PEER]), int(words[ST_ERR_EPOCH])
             layer = self._layers.get(epoch, "?")
+            if slot == BOUND:
+                raise ValueError(
+                    f"kittens EP rank {self.rank}: rank {peer} passed another max_tokens_across_ranks than this "
+                    f"rank (layer {layer}, call {epoch}); every rank must pass the same value; the workspace "
+                    f"is unusable now"
+                )
             raise PeerTimeoutError(
                 f"kittens EP rank {self.rank}: rank {peer} did not {WHAT.get(slot, 'answer')} within "
                 f"{self.timeout_s:g} s (layer {layer}, call {epoch}); the workspace is unusable now"
             )
 
     def check_errors(self) -> None:
-        """Synchronise and raise ``PeerTimeoutError`` if any wait of any earlier call timed out."""
+        """Synchronise and raise ``PeerTimeoutError`` if any wait of any earlier call timed out
+        (``ValueError`` if the ranks passed different ``max_tokens_across_ranks``)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._raise_if_error(self.state.cpu())
@@ -678,7 +702,7 @@ class SymmetricMemoryEPWorkspace:
 
     # ------------------------------------------------------------------ the call
 
-    def _ensure_rows(self, inter: int, num_local: int):
+    def _ensure_rows(self, inter: int, num_local: int) -> None:
         rows = self.sources * self.max_tokens * self.top_k
         if self.act is None or self.act.shape[1] != inter or self.counts.numel() != max(num_local, 1):
             self.counts = torch.empty(max(num_local, 1), dtype=torch.int32, device=self.device)
@@ -688,7 +712,6 @@ class SymmetricMemoryEPWorkspace:
                 self.act_s = torch.empty(rows, triton.cdiv(inter, GROUP), dtype=torch.float32, device=self.device)
             else:
                 self.act = torch.empty(rows, inter, dtype=self.dtype, device=self.device)
-        return rows
 
     def fused_moe(
         self,
@@ -700,11 +723,21 @@ class SymmetricMemoryEPWorkspace:
         *,
         layer: str = "?",
         on_phase=None,
+        max_tokens_across_ranks: int | None = None,
     ) -> torch.Tensor:
         """This rank's tokens through the experts of every rank: ``[T, H]``, as ``fused_moe``.
         ``on_phase(name)``, if given, is called (on the host, between launches) as the
-        ``"experts"`` and ``"combine"`` phases start: per-layer timing launches its stamps there."""
-        return _run_stages(self.stages(hidden_states, w13, w2, topk_weights, topk_ids, layer=layer), on_phase)
+        ``"experts"`` and ``"combine"`` phases start: per-layer timing launches its stamps there.
+
+        ``max_tokens_across_ranks``: the most tokens any rank passes in this call, the same value on
+        every rank (vLLM knows it under data parallelism); grids and the schedule's scan are sized by
+        it instead of by ``max_tokens_per_rank``, which is what keeps decode calls on a workspace
+        made for long prefills cheap. Default ``max_tokens_per_rank``; with replicated tokens every
+        rank holds this call's tokens, which is then the bound. Ranks that pass different values
+        get an error from ``check_errors`` (or the next call)."""
+        stages = self.stages(hidden_states, w13, w2, topk_weights, topk_ids, layer=layer,
+                             max_tokens_across_ranks=max_tokens_across_ranks)
+        return _run_stages(stages, on_phase)
 
     def fused_moe_fp8(
         self,
@@ -719,15 +752,17 @@ class SymmetricMemoryEPWorkspace:
         layer: str = "?",
         block_shape=BLOCK_SHAPE,
         on_phase=None,
+        max_tokens_across_ranks: int | None = None,
     ) -> torch.Tensor:
         """As ``fused_moe`` with block-scaled FP8 experts (``quant="fp8"`` workspaces): bitwise the
         output of one-GPU ``fused_moe_fp8`` on the global inputs."""
         stages = self.stages(hidden_states, w13, w2, topk_weights, topk_ids, layer=layer,
-                             scales=(w13_scale, w2_scale), block_shape=block_shape)
+                             scales=(w13_scale, w2_scale), block_shape=block_shape,
+                             max_tokens_across_ranks=max_tokens_across_ranks)
         return _run_stages(stages, on_phase)
 
     def stages(self, hidden_states, w13, w2, topk_weights, topk_ids, *, layer: str = "?", scales=None,
-               block_shape=BLOCK_SHAPE):
+               block_shape=BLOCK_SHAPE, max_tokens_across_ranks: int | None = None):
         """The call as a list of launch steps (``fused_moe`` runs them in order; the interpreter
         tests run step i on every simulated rank before step i + 1). The last returns the output.
         ``scales``: ``(w13_scale, w2_scale)`` of FP8 experts (``fused_moe_fp8``)."""
@@ -760,15 +795,23 @@ class SymmetricMemoryEPWorkspace:
             )
         if hidden_states.dtype != self.dtype:
             raise ValueError(f"kittens EP workspace is for {self.dtype}, got {hidden_states.dtype}")
+        bound = self.max_tokens if max_tokens_across_ranks is None else max_tokens_across_ranks
+        if not tokens <= bound <= self.max_tokens:
+            raise ValueError(
+                f"max_tokens_across_ranks={bound} must be at least this rank's {tokens} tokens and at most "
+                f"the workspace's max_tokens_per_rank={self.max_tokens}"
+            )
         if not capturing:
             self.epoch += 1
             self._layers[self.epoch] = layer
             self._layers.pop(self.epoch - 64, None)
 
-        S, T, K, H = self.sources, self.max_tokens, self.top_k, self.hidden
+        # T: the call's bound on any source's tokens, the row layout of all_ids, xl, y and ret.
+        S, T, K, H = self.sources, max(1, tokens if self.replicated else bound), self.top_k, self.hidden
         num_local, two_i, _ = w13.shape
         inter = two_i // 2
-        rows_cap = self._ensure_rows(inter, num_local)
+        self._ensure_rows(inter, num_local)
+        rows = S * T * K
         dev = self.device
         interpret = self.interpret
         use_timer = not interpret
@@ -783,7 +826,7 @@ class SymmetricMemoryEPWorkspace:
             id_programs = max(triton.cdiv(tokens, bt), 1)
             _ep_post_kernel[(id_programs + (quantize_programs(tokens, H) if fp8 else 0),)](
                 hidden_states, topk_ids, self.seg_x, self.seg_xs if fp8 else self.seg_x, self.seg_ids, self.seg_n,
-                tokens, H, id_programs,
+                tokens, T, H, id_programs,
                 hidden_states.stride(0), hidden_states.stride(1), topk_ids.stride(0), topk_ids.stride(1),
                 TOPK=K, K_PAD=k_pad, BT=bt, BLOCK_H=min(1024, triton.next_power_of_2(H)), COPY_X=not fp8,
                 QUANT=fp8, QROWS=QROWS, RNE_FIX=interpret, num_warps=4,
@@ -806,7 +849,7 @@ class SymmetricMemoryEPWorkspace:
             _ep_gather_kernel[(S, triton.cdiv(T, bt), 1 if gemm1_pulls else triton.cdiv(H, copy_block_h))](
                 self.n_tab, self.ids_tab, self.x_tab, self.xs_tab if fp8 else self.x_tab, self.all_ids,
                 self.xl.view(torch.uint8) if fp8 else self.xl, self.xsl if fp8 else self.xl, expert_map, self.queue,
-                T, H, G, self.num_global, num_local,
+                self.state, T, H, G, self.num_global, num_local,
                 TOPK=K, K_PAD=k_pad, BT=bt, BLOCK_H=copy_block_h, COPY_ROWS=not gemm1_pulls,
                 SCALES=fp8, BLOCK_G=max(16, triton.next_power_of_2(G)) if fp8 else 16, num_warps=4,
             )
@@ -814,7 +857,7 @@ class SymmetricMemoryEPWorkspace:
         def schedule():
             if num_local == 0:
                 return
-            launch_schedule(self.all_ids, expert_map, self.counts, self.sorted_rows, num_local, self.num_global)
+            launch_schedule(self.all_ids[: S * T], expert_map, self.counts, self.sorted_rows, num_local, self.num_global)
 
         picker = pick_configs_fp8 if fp8 else pick_configs
         g1, g2 = picker(max(tokens, 1), K, max(num_local, 1), H, inter)
@@ -829,22 +872,22 @@ class SymmetricMemoryEPWorkspace:
                 w13_scale, w2_scale = scales
                 launch_fp8_gemm1(
                     self.xl, self.xsl, w13, w13_scale, self.act, self.act_s, self.sorted_rows, self.counts,
-                    rows_cap, K, g1, in_dtype=self.dtype, scale_bn=scale_bn, interpret=interpret,
+                    rows, K, g1, in_dtype=self.dtype, scale_bn=scale_bn, interpret=interpret,
                 )
                 launch_fp8_gemm2(
-                    self.act, self.act_s, w2, w2_scale, y, self.sorted_rows, self.counts, rows_cap, g2,
+                    self.act, self.act_s, w2, w2_scale, y, self.sorted_rows, self.counts, rows, g2,
                     scale_bn=scale_bn, interpret=interpret, **push_args,
                 )
             else:
                 pull = {}
                 if gemm1_pulls:  # GEMM1 pulls its rows and starts each tile as they arrive
                     pull_args = (self.x_tab, self.all_ids, expert_map, self.ready, self.queue, self.state,
-                                 S, T, self.num_global, self.ready.numel(), self.max_polls)
+                                 S, T, self.num_global, S * triton.cdiv(T, PULL_BT), self.max_polls)
                     pull = dict(kernel=_ep_gemm1_pull_kernel, extra_args=pull_args,
                                 K_PAD=k_pad, BT=PULL_BT, BLOCK_H=copy_block_h)
-                launch_gemm1(self.xl, w13, self.act, self.sorted_rows, self.counts, rows_cap, K, g1, interpret=interpret,
+                launch_gemm1(self.xl, w13, self.act, self.sorted_rows, self.counts, rows, K, g1, interpret=interpret,
                              **pull)
-                launch_gemm2(self.act, w2, y, self.sorted_rows, self.counts, rows_cap, g2, interpret=interpret, **push_args)
+                launch_gemm2(self.act, w2, y, self.sorted_rows, self.counts, rows, g2, interpret=interpret, **push_args)
 
         def combine():
             if tokens:

@@ -29,6 +29,13 @@ baselines on bf16 rows with the experts dequantized to bf16 inside the timed cal
 (``layer_bench.fp8_rate``), 1-byte weights + block scales, pulled rows of H + 4 * H / 128 bytes.
 Error limit vs a2a 8e-2 (a2a keeps bf16 activations; kittens quantizes x and the activation).
 
+``--serving-limit N``: a served model's workspace holds the most tokens of any step (vLLM's
+``max_num_batched_tokens``), and its decode steps carry far fewer. With N, each row also times
+kittens (pull) on a second workspace of N tokens per rank, once sized by that limit (no
+``max_tokens_across_ranks``) and once sized by the row's tokens (``max_tokens_across_ranks=T``, what
+the vLLM glue passes under data parallelism); a second table compares both with the row's own
+workspace.
+
 Writes ``<out>.json``, ``<out>.md`` and ``<out>.png`` (time against tokens per rank, one panel per
 shape). ``--replot RESULT.json`` redraws the Markdown and the plot of an earlier run, no GPU needed.
 
@@ -323,16 +330,25 @@ def run_rank(rank, world, args):
                 terms = floor_terms(all_ids.cpu(), placement.owner, world, T, H, I, K, **floor_kw)
                 row = dict(shape=name, world=world, tokens=T, routing=routing, experts=E, hidden=H, inter=I, top_k=K,
                            quant="fp8 block 128x128" if fp8 else "bf16")
-                ws = None
+                ws = ws_limit = None
                 try:
                     ws = SymmetricMemoryEPWorkspace(
                         group, max_tokens_per_rank=T, hidden_size=H, top_k=K, dtype=torch.bfloat16,
                         placement=placement, timeout_s=args.timeout_s, quant="fp8" if fp8 else None,
                     )
-                    if fp8:
-                        kittens = lambda: ws.fused_moe_fp8(x, *experts, tw, ids)  # noqa: E731
-                    else:
-                        kittens = lambda: ws.fused_moe(x, w13, w2, tw, ids)  # noqa: E731
+                    ws_limit = None
+                    if args.serving_limit > T:
+                        ws_limit = SymmetricMemoryEPWorkspace(
+                            group, max_tokens_per_rank=args.serving_limit, hidden_size=H, top_k=K,
+                            dtype=torch.bfloat16, placement=placement, timeout_s=args.timeout_s,
+                            quant="fp8" if fp8 else None,
+                        )
+
+                    def kittens(variant):
+                        w, w.return_mode, w.pull_in_gemm1, bound = variant
+                        if fp8:
+                            return w.fused_moe_fp8(x, *experts, tw, ids, max_tokens_across_ranks=bound)
+                        return w.fused_moe(x, w13, w2, tw, ids, max_tokens_across_ranks=bound)
 
                     def a2a():
                         refresh()
@@ -342,15 +358,19 @@ def run_rank(rank, world, args):
                         refresh()
                         return agrs_moe(x, ids, tw, w13, w2, emap, world, group)
 
-                    # (return mode, rows pulled inside GEMM1); the workspace's default pulls every row
-                    # before GEMM1 ("gather"); "gemm1pull": GEMM1 tiles pull rows and start as they arrive.
-                    variants = {"pull": ("pull", False), "push": ("push", False)}
+                    # (workspace, return mode, rows pulled inside GEMM1, max_tokens_across_ranks); the
+                    # workspace's default pulls every row before GEMM1 ("gather"); "gemm1pull": GEMM1
+                    # tiles pull rows and start as they arrive.
+                    variants = {"pull": (ws, "pull", False, None), "push": (ws, "push", False, None)}
                     if not fp8:
-                        variants["gemm1pull"] = ("pull", True)
+                        variants["gemm1pull"] = (ws, "pull", True, None)
+                    if ws_limit is not None:
+                        variants["limit"] = (ws_limit, "pull", False, None)
+                        variants["limit_bounded"] = (ws_limit, "pull", False, T)
                     impls = {}
                     res = {}
-                    for mode, (ws.return_mode, ws.pull_in_gemm1) in variants.items():
-                        res[mode] = kittens()
+                    for mode, variant in variants.items():
+                        res[mode] = kittens(variant)
                     base_ok = True
                     try:
                         res["a2a"] = a2a()
@@ -361,26 +381,31 @@ def run_rank(rank, world, args):
                         log(row["baseline_error"])
                         res["a2a"] = res["agrs"] = res["pull"]
                     torch.cuda.synchronize()
-                    ws.check_errors()
+                    for w in (ws, ws_limit):
+                        if w is not None:
+                            w.check_errors()
                     ref = res["a2a"].float()
                     errs = {k: ((v.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item() for k, v in res.items()}
                     errs["variants_equal"] = all(torch.equal(res["pull"], res[m]) for m in variants)
                     times, waits = {}, {}
-                    for mode, (ws.return_mode, ws.pull_in_gemm1) in variants.items():
+                    for mode, variant in variants.items():
+                        call = lambda variant=variant: kittens(variant)  # noqa: E731
                         try:
-                            gr = as_graph(kittens)
+                            gr = as_graph(call)
                             fn, how = gr.replay, "graph"
                         except Exception as exc:  # noqa: BLE001
                             log(f"  capture failed ({type(exc).__name__}: {exc}); eager")
-                            fn, how = kittens, "eager"
+                            fn, how = call, "eager"
                         fn()
-                        t, w = timed(fn, args.iters, group, extra=ws.wait_ns)
+                        t, w = timed(fn, args.iters, group, extra=variant[0].wait_ns)
                         times[f"kittens_{mode}"] = t
                         waits[mode] = [c for _, c in w]
                         impls[f"kittens_{mode}"] = how
                         del fn
                         gr = None
-                    ws.check_errors()
+                    for w in (ws, ws_limit):
+                        if w is not None:
+                            w.check_errors()
                     for nm, fn in (("a2a", a2a), ("agrs", agrs)):
                         if not base_ok:
                             times[nm] = [float("nan")] * args.iters
@@ -391,7 +416,7 @@ def run_rank(rank, world, args):
                 except Exception:  # noqa: BLE001
                     row["error"] = traceback.format_exc()[-2000:]
                     log(f"{name} T={T} {routing}: FAILED\n{row['error']}")
-                ws = kittens = None
+                ws = ws_limit = kittens = None
                 gc.collect()
                 torch.cuda.empty_cache()
                 # Aggregate across ranks on rank 0.
@@ -503,6 +528,20 @@ def markdown(rows, meta):
             f"{in_gemm1} | {ms['a2a']:.3f} | {ms['agrs']:.3f} | {r['floor_ms']:.3f} ({r['bound']}) | {r['ratio_to_floor']:.2f} | "
             f"{r['speedup_vs_best_baseline']:.2f} | {r['nvlink_GBps']:.1f} | {r['wait_us']['pull']:.1f} | "
             f"{r['wait_us']['push']:.1f} | {'met' if r['target_met'] else 'MISS ' + r['target']} |")
+    served = [r for r in rows if "error" not in r and "kittens_limit" in r["ms"]]
+    if served:
+        limit = meta["serving_limit"]
+        out += ["", f"## On a workspace for {limit} tokens per rank (a served model's decode steps)", "",
+                f"kittens (pull) on the row's own workspace, and on one made for {limit} tokens per rank: sized by "
+                f"that limit (no `max_tokens_across_ranks`), and sized by the row's tokens "
+                f"(`max_tokens_across_ranks` = tokens per rank). Same run; outputs bitwise equal.", "",
+                "| shape | tokens/rank | routing | own workspace ms | limit, unbounded ms | limit, bounded ms | "
+                "unbounded / own | bounded / own |", "|---|---|---|---|---|---|---|---|"]
+        for r in served:
+            ms = r["ms"]
+            own, lim, bnd = ms["kittens_pull"], ms["kittens_limit"], ms["kittens_limit_bounded"]
+            out.append(f"| {r['shape']} | {r['tokens']} | {r['routing']} | {own:.3f} | {lim:.3f} | {bnd:.3f} | "
+                       f"{lim / own:.2f} | {bnd / own:.2f} |")
     return "\n".join(out) + "\n"
 
 
@@ -551,6 +590,8 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="results path stem (default results/ep_bench, --fp8: ep_bench_fp8)")
     p.add_argument("--fp8", action="store_true",
                    help="block-FP8 experts (default shapes DeepSeek-V3 Kimi-K2; results ep_bench_fp8.{json,md})")
+    p.add_argument("--serving-limit", type=int, default=0, metavar="N",
+                   help="also time kittens on a workspace of N tokens per rank, sized by N and by the row's tokens")
     p.add_argument("--replot", metavar="RESULT.json", default=None,
                    help="redraw RESULT.md and RESULT.png from an earlier run's JSON (no GPU) and exit")
     args = p.parse_args(argv)
@@ -574,7 +615,8 @@ def main(argv=None):
     except Exception:  # noqa: BLE001
         commit = "?"
     meta = dict(world=args.world, gpu=torch.cuda.get_device_name(0), commit=os.environ.get("MOK_COMMIT", commit),
-                torch=torch.__version__, time=time.strftime("%Y-%m-%d %H:%M:%S"), fp8=args.fp8)
+                torch=torch.__version__, time=time.strftime("%Y-%m-%d %H:%M:%S"), fp8=args.fp8,
+                serving_limit=args.serving_limit)
     if args.fp8:
         rates = [r["peak_flops"] for r in rows or [] if "peak_flops" in r]
         meta["fp8_tflops"] = rates[0] / 1e12 if rates else float("nan")

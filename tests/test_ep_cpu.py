@@ -71,9 +71,27 @@ def scenario_distinct(rank, world):
             start = sum(counts[:rank])
             mine = slice(start, start + counts[rank])
             local13, local2 = _local_weights(w13, w2, placement, rank)
-            for _ in range(2):  # back-to-back calls reuse the segments
-                out = ws.fused_moe(x[mine], local13, local2, weights[mine], ids[mine], layer=f"case{call}")
+            # Back-to-back calls reuse the segments; the second gives the call's bound.
+            for bound in (None, max(counts)):
+                out = ws.fused_moe(x[mine], local13, local2, weights[mine], ids[mine], layer=f"case{call}",
+                                   max_tokens_across_ranks=bound)
                 assert torch.equal(out, expected[mine]), f"case {call}: EP={world} differs from one rank"
+    finally:
+        ws.close()
+
+
+def scenario_bound_mismatch(rank, world):
+    num_experts = 8
+    ws, placement = _workspace(world, num_experts)
+    try:
+        x, w13, w2, weights, ids = _global_inputs(500, [8] * world, num_experts)
+        local13, local2 = _local_weights(w13, w2, placement, rank)
+        with pytest.raises(ValueError, match="must be at least this rank's 8 tokens"):
+            ws.fused_moe(x[:8], local13, local2, weights[:8], ids[:8], max_tokens_across_ranks=7)
+        peer = 1 - rank
+        with pytest.raises(ValueError, match=rf"rank {rank}: rank {peer} passed max_tokens_across_ranks={8 + peer}, "
+                                             rf"this rank {8 + rank} \(layer L2, call 1\)"):
+            ws.fused_moe(x[:8], local13, local2, weights[:8], ids[:8], layer="L2", max_tokens_across_ranks=8 + rank)
     finally:
         ws.close()
 
@@ -161,6 +179,10 @@ def test_expert_parallel_equals_one_rank_bitwise(world):
 
 def test_fp8_expert_parallel_equals_one_rank_bitwise():
     run_ranks(scenario_fp8, 2)
+
+
+def test_ranks_passing_different_bounds_get_a_clear_error():
+    run_ranks(scenario_bound_mismatch, 2)
 
 
 def test_replicated_tokens_tensor_parallel_mode():

@@ -128,10 +128,14 @@ def scenario_bitwise(rank, world, quant="bf16"):
             sl = slice(start, start + counts[rank])
             local = local_experts(experts, placement, rank)
             first = None
-            # Back-to-back calls: both return modes, rows pulled inside GEMM1 or before it.
-            for mode, ws.pull_in_gemm1 in (("pull", True), ("push", True), ("pull", False), ("pull", True)):
+            # Back-to-back calls: both return modes, rows pulled inside GEMM1 or before it, calls laid
+            # out by the workspace limit or by the call's largest count (max_tokens_across_ranks).
+            bound = max(counts)
+            for mode, ws.pull_in_gemm1, call_bound in (("pull", True, bound), ("push", True, None),
+                                                       ("pull", False, bound), ("pull", True, None)):
                 ws.return_mode = mode
-                out = getattr(ws, op)(x[sl], *local, weights[sl], ids[sl], layer=f"{tag.lower()}s{si}c{ci}")
+                out = getattr(ws, op)(x[sl], *local, weights[sl], ids[sl], layer=f"{tag.lower()}s{si}c{ci}",
+                                      max_tokens_across_ranks=call_bound)
                 torch.cuda.synchronize()
                 ws._raise_if_error(ws.state.cpu())
                 if counts[rank]:
@@ -145,7 +149,8 @@ def scenario_bitwise(rank, world, quant="bf16"):
                     first = out.clone()
                 assert torch.equal(out, first), "repeat call differs"
             post_ns, comp_ns = ws.wait_ns()
-            lines.append(f"{tag}shape {(H, I, E, K)} tokens {counts} {routing}: bitwise OK; waits "
+            lines.append(f"{tag}shape {(H, I, E, K)} tokens {counts} {routing}: bitwise OK (bound {bound} and "
+                         f"{q['max_tokens']}); waits "
                          f"{post_ns/1e3:.1f} / {comp_ns/1e3:.1f} us")
         ws.check_errors()
         ws.close()

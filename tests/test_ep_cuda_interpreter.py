@@ -104,6 +104,40 @@ def test_ep_equals_one_gpu_kernel_bitwise(world, return_mode, pull_in_gemm1, cas
         assert int(ws.state[ep_cuda.ST_EPOCH]) == len(cases) + 1
 
 
+@pytest.mark.parametrize("pull_in_gemm1", [False, True])
+def test_call_bound_below_the_workspace_limit(pull_in_gemm1):
+    # Calls sized by max_tokens_across_ranks (smaller than MAX_T, changing from call to call on one
+    # workspace): the rows are laid out by the bound, the output stays bitwise the one-GPU kernel's.
+    world, num_experts = 2, 8
+    ranks, placement, _ = make_ranks(world, num_experts, pull_in_gemm1=pull_in_gemm1)
+    for call, (counts, bound) in enumerate([((3, 5), 5), ((1, 0), 1), ((0, 0), 0), ((MAX_T, 2), MAX_T), ((4, 4), 6)]):
+        x, w13, w2, weights, ids = global_inputs(20 + call, counts, num_experts)
+        got = run_split(ranks, placement, x, (w13, w2), weights, ids, counts, max_tokens_across_ranks=bound)
+        assert torch.equal(got, tm.fused_moe_triton(x, w13, w2, weights, ids)), f"call {call} (bound {bound})"
+        assert (ranks[0].all_ids[max(bound, 1) : max(bound, 1) + counts[1]] == ids[counts[0]:]).all()
+    for ws in ranks:
+        ws.check_errors()
+
+
+def test_call_bound_errors():
+    world, num_experts = 2, 8
+    ranks, placement, _ = make_ranks(world, num_experts)
+    x, w13, w2, weights, ids = global_inputs(30, [4, 4], num_experts)
+    l13, l2 = local_experts((w13, w2), placement, 0)
+    for bound in (3, MAX_T + 1):
+        with pytest.raises(ValueError, match=f"max_tokens_across_ranks={bound} must be at least this rank's 4 tokens "
+                                             f"and at most the workspace's max_tokens_per_rank={MAX_T}"):
+            ranks[0].fused_moe(x[:4], l13, l2, weights[:4], ids[:4], max_tokens_across_ranks=bound)
+    # Ranks that disagree on the bound: each sees the other's and reports it, naming the peer.
+    args = [(x[4 * r : 4 * r + 4], *local_experts((w13, w2), placement, r), weights[4 * r : 4 * r + 4],
+             ids[4 * r : 4 * r + 4]) for r in range(world)]
+    run_call(ranks, args, layer="L3", per_rank_kwargs=[dict(max_tokens_across_ranks=4), dict(max_tokens_across_ranks=5)])
+    for r, ws in enumerate(ranks):
+        with pytest.raises(ValueError, match=rf"rank {r}: rank {1 - r} passed another max_tokens_across_ranks than "
+                                             r"this rank \(layer L3, call 1\)"):
+            ws.check_errors()
+
+
 def test_replicated_tokens():
     world, num_experts = 2, 8
     ranks, placement, _ = make_ranks(world, num_experts, replicated=True)

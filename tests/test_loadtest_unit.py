@@ -275,4 +275,17 @@ def test_ep_bench_replot_writes_markdown_and_plot(tmp_path):
     assert ep_bench.main(["--replot", str(src)]) == 0
     md = (tmp_path / "ep.md").read_text()
     assert "| A | 128 | skewed | 1.000 | 1.200 | 1.000 | 3.300 | 3.000 |" in md
+    assert "workspace for" not in md
     assert (tmp_path / "ep.png").stat().st_size > 10_000
+
+
+def test_ep_bench_serving_limit_table():
+    from mok_serve.loadtest import ep_bench
+
+    run = _ep_run(2, [("A", 1, "uniform", 0.5, 2.0), ("A", 8192, "uniform", 4.0, 9.0)])
+    run["meta"]["serving_limit"] = 8192
+    run["rows"][0]["ms"].update(kittens_limit=2.0, kittens_limit_bounded=0.55)  # 8192 has no smaller-limit twin
+    md = ep_bench.markdown(run["rows"], run["meta"])
+    assert "## On a workspace for 8192 tokens per rank" in md
+    assert "| A | 1 | uniform | 0.500 | 2.000 | 0.550 | 4.00 | 1.10 |" in md
+    assert "| A | 8192 | uniform | 4.000 |" not in md.split("## On a workspace")[1]

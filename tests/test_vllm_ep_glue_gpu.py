@@ -1,10 +1,12 @@
 """The vLLM glue's CUDA expert-parallel branch (``mok_serve/vllm/expert_parallel.py``) on the GPUs
 of the machine (up to 2; spawned ranks, NCCL group).
 
-The GPU machines have no vLLM, so each rank installs stand-ins for the four vLLM names the module
-imports (the passthrough backend's name, ``get_ep_group``, ``init_logger``, ``current_platform``);
-``get_ep_group()`` returns the rank's real groups: NCCL for the device, gloo for the CPU side, as
-vLLM's ``GroupCoordinator`` has them. Everything else is the glue's own code: the workspace made at
+The GPU machines have no vLLM, so each rank installs stand-ins for the vLLM names the module
+imports (the passthrough backend's name, ``get_ep_group``, the forward context, ``init_logger``,
+``current_platform``); ``get_ep_group()`` returns the rank's real groups: NCCL for the device, gloo
+for the CPU side, as vLLM's ``GroupCoordinator`` has them; under DP the forward context holds every
+DP rank's token count, as vLLM's ``DPMetadata`` does, so calls are sized by the step's largest
+count (below the workspace limit here). Everything else is the glue's own code: the workspace made at
 the first call from the all-gathered expert maps, shared by every layer, ``ep_fused_moe`` and
 ``ep_fused_moe_fp8`` as vLLM's experts call them (per-rank tokens under DP, replicated tokens
 under TP), a CUDA graph replay, and the per-layer timing's phase stamps. Each result is compared
@@ -26,22 +28,26 @@ if not torch.cuda.is_available():
 
 WORLD = min(2, torch.cuda.device_count())
 H, I, E, K = 512, 256, 16, 4
-MAX_T = 64
+MAX_T = 96
 
 
-def install_vllm_stand_ins(rank, world):
-    """vLLM's names used by expert_parallel.py, backed by this rank's real process groups."""
+def install_vllm_stand_ins(rank, world, dp_tokens):
+    """vLLM's names used by expert_parallel.py, backed by this rank's real process groups;
+    ``dp_tokens``: every DP rank's token count in the forward context (None: no DP metadata)."""
     import logging
 
     import torch.distributed as dist
 
     group = types.SimpleNamespace(world_size=world, rank_in_group=rank, device_group=dist.group.WORLD,
                                   cpu_group=dist.new_group(backend="gloo"))
+    dp = None if dp_tokens is None else types.SimpleNamespace(num_tokens_across_dp_cpu=torch.tensor(dp_tokens))
+    context = types.SimpleNamespace(dp_metadata=dp)
     names = {
         "vllm": {},
         "vllm.config": {},
         "vllm.config.kernel": {"PASSTHROUGH_ALL2ALL_BACKEND": "passthrough"},
         "vllm.distributed": {"get_ep_group": lambda: group},
+        "vllm.forward_context": {"get_forward_context": lambda: context, "is_forward_context_available": lambda: True},
         "vllm.logger": {"init_logger": logging.getLogger},
         "vllm.platforms": {"current_platform": types.SimpleNamespace(is_cpu=lambda: False, is_cuda=lambda: True)},
     }
@@ -77,7 +83,8 @@ def vllm_expert_map(rank, world):
 
 
 def scenario_glue(rank, world, quant, replicated):
-    install_vllm_stand_ins(rank, world)
+    counts = [MAX_T] if replicated else [37, 64][:world]
+    install_vllm_stand_ins(rank, world, None if replicated else counts)
     from ep_sim import local_experts
 
     from mok_serve import kernels
@@ -90,7 +97,6 @@ def scenario_glue(rank, world, quant, replicated):
     emap = vllm_expert_map(rank, world)
     op = glue.ep_fused_moe_fp8 if quant == "fp8" else glue.ep_fused_moe
     one_gpu = kernels.fused_moe_fp8 if quant == "fp8" else kernels.fused_moe
-    counts = [MAX_T] if replicated else [37, 64][:world]
 
     def mine(t, counts=counts):  # this rank's share of a global per-token tensor
         if replicated:
@@ -109,6 +115,11 @@ def scenario_glue(rank, world, quant, replicated):
         assert torch.equal(out, mine(one_gpu(x, *experts, weights, ids))), f"layer {layer} differs from one GPU"
     ws = glue._Workspace.instance
     assert ws.world_size == world and ws.replicated == replicated and ws.quant == quant
+    if not replicated:  # the call's rows are laid out by the step's largest count, not by MAX_T
+        bound = max(counts)
+        for s in range(world):
+            start = sum(counts[:s])
+            assert torch.equal(ws.all_ids[s * bound : s * bound + counts[s]], ids[start : start + counts[s]])
     log.append(f"{quant} {'replicated' if replicated else 'per-rank'} tokens: 3 layers bitwise OK")
 
     # A CUDA graph of the op, replayed with new inputs written into its buffers (vLLM's decode graphs).

@@ -14,6 +14,7 @@ before any CUDA graph is captured) and serves every layer.
 import torch
 from vllm.config.kernel import PASSTHROUGH_ALL2ALL_BACKEND
 from vllm.distributed import get_ep_group
+from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 
@@ -98,6 +99,19 @@ def _workspace(hidden_states, topk_ids, expert_map, quant: str | None = None):
     return ws
 
 
+def _max_tokens_across_ranks(ws) -> int | None:
+    """The most tokens any EP rank holds in this step, the same number on every rank: under data
+    parallelism vLLM's forward context has every DP rank's count (sequence parallelism only splits
+    them further). It sizes the CUDA call's grids by the step instead of by the workspace limit.
+    None (the workspace limit) without data parallelism: replicated tokens bound themselves."""
+    if ws.replicated or not is_forward_context_available():
+        return None
+    dp = get_forward_context().dp_metadata
+    if dp is None:
+        return None
+    return min(int(dp.num_tokens_across_dp_cpu.max()), ws.max_tokens)
+
+
 @torch.library.custom_op("mok_serve::ep_fused_moe", mutates_args=())
 def ep_fused_moe(
     hidden_states: torch.Tensor,
@@ -111,7 +125,8 @@ def ep_fused_moe(
     """``timing_slot``: the layer's slot in ``timing`` (-1: not timed); its dispatch, experts and
     combine phases are stamped inside the workspace, the only place they are separable."""
     ws = _workspace(hidden_states, topk_ids, expert_map)
-    return ws.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, on_phase=timing.phase_marker(timing_slot))
+    return ws.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, on_phase=timing.phase_marker(timing_slot),
+                        max_tokens_across_ranks=_max_tokens_across_ranks(ws))
 
 
 @ep_fused_moe.register_fake
@@ -133,7 +148,8 @@ def ep_fused_moe_fp8(
 ) -> torch.Tensor:
     ws = _workspace(hidden_states, topk_ids, expert_map, quant="fp8")
     return ws.fused_moe_fp8(
-        hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, on_phase=timing.phase_marker(timing_slot)
+        hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, on_phase=timing.phase_marker(timing_slot),
+        max_tokens_across_ranks=_max_tokens_across_ranks(ws),
     )
 
 
