@@ -87,12 +87,14 @@ from .triton_moe import (
     _expert_tile,
     _gemm1_tile,
     _gemm2_tile,
+    _grid_dependency,
     _interpreting,
     _tile_rows,
     combine_block,
     launch_gemm1,
     launch_gemm2,
     launch_schedule,
+    pdl_launch,
     pick_configs,
 )
 from .triton_moe_fp8 import (
@@ -149,8 +151,10 @@ def _uniform_now(clock_ptr, USE_TIMER: tl.constexpr):
 def _ep_sync_kernel(
     flags_ptr, flagtab_ptr, state_ptr, slot, rank, world, timeout_ns, max_spins,
     BUMP_EPOCH: tl.constexpr, USE_TIMER: tl.constexpr, SIGNAL: tl.constexpr, WAIT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Signal ``slot`` with this call's epoch to every peer, then wait (bounded) for every peer."""
+    _grid_dependency(PDL)
     if BUMP_EPOCH:
         epoch = tl.load(state_ptr + 0) + 1
         tl.store(state_ptr + 0, epoch)
@@ -188,11 +192,12 @@ def _ep_post_kernel(
     x_ptr, ids_ptr, seg_x_ptr, seg_xs_ptr, seg_ids_ptr, seg_n_ptr, tokens, bound, H, id_programs,
     stride_xt, stride_xh, stride_it, stride_ik,
     TOPK: tl.constexpr, K_PAD: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr,
-    COPY_X: tl.constexpr, QUANT: tl.constexpr, QROWS: tl.constexpr, RNE_FIX: tl.constexpr,
+    COPY_X: tl.constexpr, QUANT: tl.constexpr, QROWS: tl.constexpr, RNE_FIX: tl.constexpr, PDL: tl.constexpr,
 ):
     """Programs ``< id_programs``: ``n``, the call's token bound, the ids and (``COPY_X``) the token
     rows of ``BT`` tokens into the segment. The others (``QUANT``): ``triton_moe_fp8``'s quantization pass, e4m3 rows into
     ``seg_x`` and their 1 x 128 group scales into ``seg_xs``, bit for bit as on one GPU."""
+    _grid_dependency(PDL)
     pid = tl.program_id(0)
     if pid < id_programs:
         if pid == 0:
@@ -241,7 +246,7 @@ def _ep_gather_kernel(
     ntab_ptr, idtab_ptr, xtab_ptr, xstab_ptr, all_ids_ptr, xl_ptr, xsl_ptr, emap_ptr, queue_ptr, state_ptr,
     max_tokens, H, G, num_global, num_local,
     TOPK: tl.constexpr, K_PAD: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr,
-    COPY_ROWS: tl.constexpr, SCALES: tl.constexpr, BLOCK_G: tl.constexpr,
+    COPY_ROWS: tl.constexpr, SCALES: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr,
 ):
     """Source ``s``'s ids into ``all_ids[s]`` (-1 past its token count) and, with ``COPY_ROWS``, a
     pull of each of its token rows that has a local expert, once, from its segment into
@@ -254,6 +259,7 @@ def _ep_gather_kernel(
     ``[j * BLOCK_H, (j + 1) * BLOCK_H)`` of its rows, so a row's remote reads are issued by
     ``H / BLOCK_H`` programs at once instead of one after another by a loop (at decode sizes the
     loop's serial NVLink round trips were most of the kernel's time)."""
+    _grid_dependency(PDL)
     s = tl.program_id(0)
     hb = tl.program_id(2)
     if not COPY_ROWS:
@@ -324,7 +330,7 @@ def _ep_gemm1_pull_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
     GU_FUSED: tl.constexpr, USE_TMA: tl.constexpr, GROUP_M: tl.constexpr,
-    K_PAD: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr,
+    K_PAD: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):
     """GEMM1 that pulls its own A rows (``x_ptr`` is ``xl``): chunks of ``BT`` source tokens are
     claimed in order from a queue, pulled and flagged ready; a tile starts as soon as the chunks
@@ -337,6 +343,7 @@ def _ep_gemm1_pull_kernel(
     reductions'), and threads that disagree on a trip count would hang there. So the wait is
     bounded by a poll count, not by per-thread clock reads; it waits only for chunks that
     programs of this kernel have claimed, never for a peer."""
+    _grid_dependency(PDL)
     in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
         counts_ptr, num_local, num_m, I, BLOCK_N, E_PAD, BLOCK_M, GROUP_M
     )
@@ -403,11 +410,12 @@ def _ep_gemm2_push_kernel(
     E_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-    USE_TMA: tl.constexpr, GROUP_M: tl.constexpr, ELEM_BYTES: tl.constexpr,
+    USE_TMA: tl.constexpr, GROUP_M: tl.constexpr, ELEM_BYTES: tl.constexpr, PDL: tl.constexpr,
 ):
     """``triton_moe._moe_gemm2_kernel`` (same arithmetic) whose epilogue stores each row straight
     into the ``ret`` buffer of the row's home rank (push return). Same leading parameters, so
     ``launch_gemm2`` launches it; its own ones follow the strides."""
+    _grid_dependency(PDL)
     in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
         counts_ptr, num_local, num_m, H, BLOCK_N, E_PAD, BLOCK_M, GROUP_M
     )
@@ -430,10 +438,11 @@ def _ep_fp8_gemm2_push_kernel(
     rettab_ptr, rank, rows_per_source,
     E_PAD: tl.constexpr, SCALE_BN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, GROUP_M: tl.constexpr,
-    RNE_FIX: tl.constexpr, ELEM_BYTES: tl.constexpr,
+    RNE_FIX: tl.constexpr, ELEM_BYTES: tl.constexpr, PDL: tl.constexpr,
 ):
     """``triton_moe_fp8._fp8_gemm2_kernel`` (same arithmetic) with the push epilogue; launched by
     ``launch_fp8_gemm2``."""
+    _grid_dependency(PDL)
     in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
         counts_ptr, num_local, num_m, H, BLOCK_N, E_PAD, BLOCK_M, GROUP_M
     )
@@ -453,10 +462,11 @@ def _ep_combine_kernel(
     ytab_ptr, ret_ptr, out_ptr, ids_ptr, w_ptr, owner_ptr,
     H, num_global, src_row0,
     stride_it, stride_ik, stride_wt, stride_wk, stride_ot,
-    TOPK: tl.constexpr, PULL: tl.constexpr, BLOCK_H: tl.constexpr, RNE_FIX: tl.constexpr,
+    TOPK: tl.constexpr, PULL: tl.constexpr, BLOCK_H: tl.constexpr, RNE_FIX: tl.constexpr, PDL: tl.constexpr,
 ):
     """``out[t] = sum_k w[t,k] * y[t,k]`` in fp32 in k order (``triton_moe``'s arithmetic); ``y``
     pulled from the owner's ``y`` row ``src_row0 + t*K + k`` or read from the local ``ret``."""
+    _grid_dependency(PDL)
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs < H
@@ -818,6 +828,7 @@ class SymmetricMemoryEPWorkspace:
         timeout_ns = int(self.timeout_s * 1e9)
         k_pad = max(2, triton.next_power_of_2(K))
         out = torch.empty((tokens, H), dtype=self.dtype, device=dev)
+        pdl = pdl_launch(out)
         push = self.return_mode == "push"
         gemm1_pulls = self.pull_in_gemm1 and not fp8
 
@@ -829,7 +840,7 @@ class SymmetricMemoryEPWorkspace:
                 tokens, T, H, id_programs,
                 hidden_states.stride(0), hidden_states.stride(1), topk_ids.stride(0), topk_ids.stride(1),
                 TOPK=K, K_PAD=k_pad, BT=bt, BLOCK_H=min(1024, triton.next_power_of_2(H)), COPY_X=not fp8,
-                QUANT=fp8, QROWS=QROWS, RNE_FIX=interpret, num_warps=4,
+                QUANT=fp8, QROWS=QROWS, RNE_FIX=interpret, num_warps=4, **pdl,
             )
 
         def sync(slot, signal=True, wait=True):
@@ -837,7 +848,7 @@ class SymmetricMemoryEPWorkspace:
                 _ep_sync_kernel[(1,)](
                     self.flags, self.flag_tab, self.state, slot, self.rank, self.world_size,
                     timeout_ns, self.max_spins, BUMP_EPOCH=slot == POSTED and signal, USE_TIMER=use_timer,
-                    SIGNAL=signal, WAIT=wait, num_warps=1,
+                    SIGNAL=signal, WAIT=wait, num_warps=1, **pdl,
                 )
             return run
 
@@ -851,7 +862,7 @@ class SymmetricMemoryEPWorkspace:
                 self.xl.view(torch.uint8) if fp8 else self.xl, self.xsl if fp8 else self.xl, expert_map, self.queue,
                 self.state, T, H, G, self.num_global, num_local,
                 TOPK=K, K_PAD=k_pad, BT=bt, BLOCK_H=copy_block_h, COPY_ROWS=not gemm1_pulls,
-                SCALES=fp8, BLOCK_G=max(16, triton.next_power_of_2(G)) if fp8 else 16, num_warps=4,
+                SCALES=fp8, BLOCK_G=max(16, triton.next_power_of_2(G)) if fp8 else 16, num_warps=4, **pdl,
             )
 
         def schedule():
@@ -898,7 +909,7 @@ class SymmetricMemoryEPWorkspace:
                     H, self.num_global, src_row0,
                     topk_ids.stride(0), topk_ids.stride(1), topk_weights.stride(0), topk_weights.stride(1),
                     out.stride(0),
-                    TOPK=K, PULL=not push, BLOCK_H=block_h, RNE_FIX=interpret, num_warps=4,
+                    TOPK=K, PULL=not push, BLOCK_H=block_h, RNE_FIX=interpret, num_warps=4, **pdl,
                 )
             if not capturing and dev.type == "cuda":
                 self._err_host.copy_(self.state, non_blocking=True)

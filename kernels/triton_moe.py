@@ -39,6 +39,7 @@ the values is a synchronisation).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -94,11 +95,24 @@ def _local_expert_ids(
 
 
 @triton.jit
+def _grid_dependency(PDL: tl.constexpr):
+    """First statement of every kernel here. With programmatic dependent launch (``PDL``, launched
+    with ``launch_pdl``) a kernel's programs may start while the previous kernel in the stream still
+    runs: wait until it has finished and its writes are visible, before touching memory, then let
+    the next kernel's programs start in turn. They take SMs as this grid's last programs leave and
+    wait the same way, so the gap between two launches overlaps the first kernel's tail."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def _moe_schedule_kernel(
     topk_ids_ptr, expert_map_ptr, counts_ptr, sorted_rows_ptr,
     num_rows, num_global, num_local, stride_it, stride_ik,
-    TOPK: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK: tl.constexpr,
+    TOPK: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    _grid_dependency(PDL)
     e = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     below = tl.zeros([BLOCK], dtype=tl.int32)
@@ -294,7 +308,9 @@ def _moe_gemm1_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
     GU_FUSED: tl.constexpr, USE_TMA: tl.constexpr, GROUP_M: tl.constexpr, HALF_TAIL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _grid_dependency(PDL)
     in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
         counts_ptr, num_local, num_m, I, BLOCK_N, E_PAD, BLOCK_M, GROUP_M
     )
@@ -384,8 +400,9 @@ def _moe_gemm2_kernel(
     E_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-    USE_TMA: tl.constexpr, GROUP_M: tl.constexpr, HALF_TAIL: tl.constexpr,
+    USE_TMA: tl.constexpr, GROUP_M: tl.constexpr, HALF_TAIL: tl.constexpr, PDL: tl.constexpr,
 ):
+    _grid_dependency(PDL)
     in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
         counts_ptr, num_local, num_m, H, BLOCK_N, E_PAD, BLOCK_M, GROUP_M
     )
@@ -434,7 +451,9 @@ def _moe_combine_kernel(
     H, num_global, num_local,
     stride_it, stride_ik, stride_wt, stride_wk, stride_ot,
     TOPK: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_H: tl.constexpr, RNE_FIX: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _grid_dependency(PDL)
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs < H
@@ -526,6 +545,23 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+# Programmatic dependent launch for every kernel of a call (``_grid_dependency``); ``MOK_PDL=0``
+# launches them the ordinary way.
+PDL = os.environ.get("MOK_PDL", "1") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def _cc_major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
+def pdl_launch(t: torch.Tensor) -> dict:
+    """The launch keywords of a kernel on ``t``'s device: ``PDL`` (the kernel's constexpr) and
+    ``launch_pdl``, both on for compiled code on Hopper and newer unless ``MOK_PDL=0``."""
+    on = PDL and t.is_cuda and not _interpreting() and _cc_major(t.device.index or 0) >= 9
+    return dict(PDL=on, launch_pdl=on)
+
+
 # ----------------------------------------------------------------------------------------------
 # Launch steps (shared by fused_moe_triton and the expert-parallel workspace in ep_cuda.py)
 # ----------------------------------------------------------------------------------------------
@@ -571,7 +607,7 @@ def launch_schedule(
         rows, num_global, num_local, topk_ids.stride(0), topk_ids.stride(1), *extra_args,
         # Every program scans all rows (twice): wide blocks keep that latency-bound loop short.
         TOPK=topk_ids.shape[1], HAS_MAP=has_map, BLOCK=4096 if rows > 2048 else 256 if rows <= 256 else 1024,
-        num_warps=8 if rows > 2048 else 4, **extra_constexprs,
+        num_warps=8 if rows > 2048 else 4, **pdl_launch(counts), **extra_constexprs,
     )
 
 
@@ -615,7 +651,7 @@ def launch_gemm1(
         TOPK=top_k, E_PAD=_e_pad(num_local),
         EVEN_K=hidden % g["BLOCK_K"] == 0, EVEN_N=inter % bn == 0,
         DOT_IEEE=act.dtype == torch.float32 or interpret, DOT_F32=interpret,
-        **extra_constexprs, **g,
+        **pdl_launch(act), **extra_constexprs, **g,
     )
 
 
@@ -655,7 +691,7 @@ def launch_gemm2(
         E_PAD=_e_pad(num_local),
         EVEN_K=inter % g["BLOCK_K"] == 0, EVEN_N=hidden % bn == 0,
         DOT_IEEE=act.dtype == torch.float32 or interpret, DOT_F32=interpret,
-        **extra_constexprs, **g,
+        **pdl_launch(act), **extra_constexprs, **g,
     )
 
 
@@ -685,6 +721,7 @@ def launch_combine(
         hidden, num_global, num_local,
         topk_ids.stride(0), topk_ids.stride(1), topk_weights.stride(0), topk_weights.stride(1), out.stride(0),
         TOPK=topk_ids.shape[1], HAS_MAP=has_map, BLOCK_H=block_h, RNE_FIX=interpret, num_warps=4,
+        **pdl_launch(out),
     )
 
 

@@ -40,6 +40,7 @@ from .triton_moe import (
     _e_pad,
     _expert_tile,
     _gemm_config,
+    _grid_dependency,
     _interpreting,
     _layer_setup,
     _load_gate_up_tiles,
@@ -49,6 +50,7 @@ from .triton_moe import (
     _tile_rows,
     launch_combine,
     launch_schedule,
+    pdl_launch,
 )
 
 __all__ = [
@@ -119,13 +121,14 @@ def _fp8_schedule_quantize_kernel(
     num_rows, num_global, num_local, stride_it, stride_ik,
     x_ptr, xq_ptr, xs_ptr, tokens, H, stride_xt, stride_xh,
     TOPK: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, QROWS: tl.constexpr,
-    RNE_FIX: tl.constexpr,
+    RNE_FIX: tl.constexpr, PDL: tl.constexpr,
 ):
+    _grid_dependency(PDL)
     pid = tl.program_id(0)
     if pid < num_local:
         _moe_schedule_kernel(
             topk_ids_ptr, expert_map_ptr, counts_ptr, sorted_rows_ptr,
-            num_rows, num_global, num_local, stride_it, stride_ik, TOPK, HAS_MAP, BLOCK,
+            num_rows, num_global, num_local, stride_it, stride_ik, TOPK, HAS_MAP, BLOCK, False,
         )
     else:
         _quantize_tile(pid - num_local, x_ptr, xq_ptr, xs_ptr, tokens, H, stride_xt, stride_xh, QROWS, RNE_FIX)
@@ -138,8 +141,9 @@ def _fp8_gemm1_kernel(
     stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     IN_DTYPE: tl.constexpr, TOPK: tl.constexpr, E_PAD: tl.constexpr, SCALE_BN: tl.constexpr,
     BLOCK_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, GROUP_M: tl.constexpr,
-    RNE_FIX: tl.constexpr,
+    RNE_FIX: tl.constexpr, PDL: tl.constexpr,
 ):
+    _grid_dependency(PDL)
     in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
         counts_ptr, num_local, num_m, I, _GROUP, E_PAD, BLOCK_M, GROUP_M
     )
@@ -230,8 +234,9 @@ def _fp8_gemm2_kernel(
     stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     E_PAD: tl.constexpr, SCALE_BN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, GROUP_M: tl.constexpr,
-    RNE_FIX: tl.constexpr,
+    RNE_FIX: tl.constexpr, PDL: tl.constexpr,
 ):
+    _grid_dependency(PDL)
     in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
         counts_ptr, num_local, num_m, H, BLOCK_N, E_PAD, BLOCK_M, GROUP_M
     )
@@ -343,7 +348,7 @@ def launch_fp8_gemm1(
         num_local, hidden, inter, num_m,
         w13.stride(0), w13.stride(1), w13.stride(2), w13_scale.stride(0), w13_scale.stride(1), w13_scale.stride(2),
         IN_DTYPE=_TL_DTYPES[in_dtype], TOPK=top_k, E_PAD=_e_pad(num_local), SCALE_BN=scale_bn,
-        EVEN_K=hidden % GROUP == 0, EVEN_N=inter % GROUP == 0, RNE_FIX=interpret, **g,
+        EVEN_K=hidden % GROUP == 0, EVEN_N=inter % GROUP == 0, RNE_FIX=interpret, **pdl_launch(act_q), **g,
     )
 
 
@@ -384,7 +389,8 @@ def launch_fp8_gemm2(
         w2.stride(0), w2.stride(1), w2.stride(2), w2_scale.stride(0), w2_scale.stride(1), w2_scale.stride(2),
         *extra_args,
         E_PAD=_e_pad(num_local), SCALE_BN=scale_bn,
-        EVEN_K=inter % GROUP == 0, EVEN_N=hidden % bn == 0, RNE_FIX=interpret, **extra_constexprs, **g,
+        EVEN_K=inter % GROUP == 0, EVEN_N=hidden % bn == 0, RNE_FIX=interpret, **pdl_launch(act_q),
+        **extra_constexprs, **g,
     )
 
 

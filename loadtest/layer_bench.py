@@ -354,7 +354,8 @@ def _cfg(bm, bn, warps, stages, bk, **kw):
 
 
 def sweep_variants(tokens, top_k, E, H, I):
-    """Named (GEMM1, GEMM2) config pairs around the default: gate/up fused into one dot, TMA weights."""
+    """Named (GEMM1, GEMM2) config pairs around the default: gate/up fused into one dot, TMA weights.
+    The sweep also times the default with the kernels launched the ordinary way ("no PDL")."""
     from mok_serve.kernels.triton_moe import pick_configs
 
     d1, d2 = pick_configs(tokens, top_k, E, H, I)
@@ -390,6 +391,7 @@ def sweep_variants(tokens, top_k, E, H, I):
 
 
 def sweep(shapes, points, seed, log):
+    from mok_serve.kernels import triton_moe
     from mok_serve.kernels.reference import fused_moe_reference
     from mok_serve.kernels.triton_moe import fused_moe_triton
 
@@ -408,14 +410,21 @@ def sweep(shapes, points, seed, log):
             tw, ids = make_routing(tokens, E, K, "uniform", gen)
             fl = floor_of(tokens, H, I, K, ids)
             ref = fused_moe_reference(x, w13, w2, tw, ids)
-            for label, g1, g2 in sweep_variants(tokens, K, E, H, I):
+            variants = [(*v, True) for v in sweep_variants(tokens, K, E, H, I)]
+            variants.append(("no PDL", *variants[0][1:3], False))
+            for label, g1, g2, pdl in variants:
+                triton_moe.PDL = pdl  # read at launch, so it is what the graph captures
                 try:
                     fn = lambda: fused_moe_triton(x, w13, w2, tw, ids, _configs=(g1, g2))  # noqa: E731
                     err = rel_err(fn(), ref)
-                    ms, _ = graph_time(fn, rep_ms=40)
+                    ms, how = graph_time(fn, rep_ms=40)
                 except Exception as exc:  # noqa: BLE001
                     log(f"  {name} T={tokens} {label}: failed {type(exc).__name__}: {str(exc)[:200]}")
                     continue
+                finally:
+                    triton_moe.PDL = True
+                if how != "graph":
+                    log(f"  {name} T={tokens} {label}: timed eagerly")
                 results.append(dict(shape=name, tokens=tokens, label=label, g1=g1, g2=g2, ms=ms,
                                     floor_ms=fl["floor_ms"], err=err))
                 log(f"SWEEP {name:14s} T={tokens:5d} {label:28s} {ms:8.3f} ms x{ms / fl['floor_ms']:5.2f} err {err:.1e}")

@@ -285,7 +285,9 @@ def test_ep_bench_serving_limit_table():
     run = _ep_run(2, [("A", 1, "uniform", 0.5, 2.0), ("A", 8192, "uniform", 4.0, 9.0)])
     run["meta"]["serving_limit"] = 8192
     run["rows"][0]["ms"].update(kittens_limit=2.0, kittens_limit_bounded=0.55)  # 8192 has no smaller-limit twin
+    run["rows"][1]["ms"].update(kittens_nopdl=5.0)
     md = ep_bench.markdown(run["rows"], run["meta"])
+    assert "| A | 8192 | uniform | 4.000 | 5.000 | 0.800 |" in md.split("## Programmatic dependent launch")[1]
     assert "## On a workspace for 8192 tokens per rank" in md
     assert "| A | 1 | uniform | 0.500 | 2.000 | 0.550 | 4.00 | 1.10 |" in md
     assert "| A | 8192 | uniform | 4.000 |" not in md.split("## On a workspace")[1]

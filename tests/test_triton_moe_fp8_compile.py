@@ -50,7 +50,9 @@ def build(name, fn, types, ints, consts, num_warps, num_stages):
         f.write(k.asm["ptx"])
     log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o", os.devnull],
                          capture_output=True, text=True, check=True).stderr
-    results[name] = dict(shared=k.metadata.shared, fp8_wgmma="f32.e4m3.e4m3" in k.asm["ptx"], ptxas=log)
+    ptx = k.asm["ptx"]
+    results[name] = dict(shared=k.metadata.shared, fp8_wgmma="f32.e4m3.e4m3" in ptx, ptxas=log,
+                         grid_dependency="griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx)
 
 for tokens in (1, 4096):
     g1, g2 = tf.pick_configs_fp8(tokens, K, E, H, I)
@@ -60,7 +62,7 @@ for tokens in (1, 4096):
           dict(num_local=E, H=H, I=I, num_m=1000, stride_we=2 * I * H, stride_wn=H, stride_wk=1,
                stride_se=32 * 56, stride_sn=56, stride_sk=1),
           dict(IN_DTYPE=tl.bfloat16, TOPK=K, E_PAD=E, SCALE_BN=128, BLOCK_M=g1["BLOCK_M"], EVEN_K=True,
-               EVEN_N=True, GROUP_M=g1["GROUP_M"], RNE_FIX=False),
+               EVEN_N=True, GROUP_M=g1["GROUP_M"], RNE_FIX=False, PDL=True),
           g1["num_warps"], g1["num_stages"])
     build(f"gemm2_T{tokens}", tf._fp8_gemm2_kernel,
           dict(actq_ptr=ptr("fp8e4nv"), acts_ptr=ptr("fp32"), w_ptr=ptr("fp8e4nv"), ws_ptr=ptr("fp32"),
@@ -69,14 +71,14 @@ for tokens in (1, 4096):
           dict(num_local=E, H=H, I=I, num_m=1000, stride_we=H * I, stride_wn=I, stride_wk=1,
                stride_se=56 * 16, stride_sn=16, stride_sk=1),
           dict(E_PAD=E, SCALE_BN=128, BLOCK_M=g2["BLOCK_M"], BLOCK_N=g2["BLOCK_N"], EVEN_K=True, EVEN_N=True,
-               USE_TMA=True, GROUP_M=g2["GROUP_M"], RNE_FIX=False),
+               USE_TMA=True, GROUP_M=g2["GROUP_M"], RNE_FIX=False, PDL=True),
           g2["num_warps"], g2["num_stages"])
 build("schedule_quantize", tf._fp8_schedule_quantize_kernel,
       dict(topk_ids_ptr=ptr("i32"), expert_map_ptr=ptr("i32"), counts_ptr=ptr("i32"), sorted_rows_ptr=ptr("i32"),
            x_ptr=ptr("bf16"), xq_ptr=ptr("fp8e4nv"), xs_ptr=ptr("fp32")),
       dict(num_rows=8 * 4096, num_global=E, num_local=E, stride_it=K, stride_ik=1, tokens=4096, H=H,
            stride_xt=H, stride_xh=1),
-      dict(TOPK=K, HAS_MAP=True, BLOCK=4096, QROWS=32, RNE_FIX=False), 8, 1)
+      dict(TOPK=K, HAS_MAP=True, BLOCK=4096, QROWS=32, RNE_FIX=False, PDL=True), 8, 1)
 print(json.dumps(results))
 """
 
@@ -94,5 +96,6 @@ def test_kernels_compile_for_sm90_with_fp8_wgmma_and_no_spills(tmp_path):
         print(name, r["shared"], r["ptxas"].strip().splitlines()[-2:])
         assert "0 bytes spill stores, 0 bytes spill loads" in r["ptxas"], (name, r["ptxas"])
         assert r["shared"] <= 227 * 1024, (name, r["shared"])
+        assert r["grid_dependency"], f"{name}: no programmatic dependent launch instructions"
         if name.startswith("gemm"):
             assert r["fp8_wgmma"], f"{name} does not use fp8 wgmma"

@@ -51,7 +51,7 @@ def test_quantize_pass_is_the_torch_quantization_bit_for_bit():
     tf._fp8_schedule_quantize_kernel[(programs,)](
         ids, ids, counts, sorted_rows, tokens * top_k, experts, experts, ids.stride(0), ids.stride(1),
         x, xq, xs, tokens, hidden, x.stride(0), x.stride(1),
-        TOPK=top_k, HAS_MAP=False, BLOCK=16, QROWS=32, RNE_FIX=True,
+        TOPK=top_k, HAS_MAP=False, BLOCK=16, QROWS=32, RNE_FIX=True, PDL=False,
     )
     flat = ids.reshape(-1).long()
     assert counts.tolist() == torch.bincount(flat, minlength=experts).tolist()

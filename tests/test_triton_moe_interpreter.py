@@ -50,7 +50,7 @@ def test_schedule_positions_are_prefix_sums_in_token_order():
     sorted_rows = torch.full((rows,), -7, dtype=torch.int32)
     tm._moe_schedule_kernel[(experts,)](
         ids, ids, counts, sorted_rows, rows, experts, experts, ids.stride(0), ids.stride(1),
-        TOPK=top_k, HAS_MAP=False, BLOCK=16,
+        TOPK=top_k, HAS_MAP=False, BLOCK=16, PDL=False,
     )
     flat = ids.reshape(-1).long()
     assert counts.tolist() == torch.bincount(flat, minlength=experts).tolist()
