@@ -35,6 +35,7 @@ import json
 import os
 import pathlib
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -390,7 +391,9 @@ def sweep_variants(tokens, top_k, E, H, I):
     return out
 
 
-def sweep(shapes, points, seed, log):
+def sweep(shapes, points, seed, log, labels=None, repeats=1):
+    """Time the ``sweep_variants`` (those named in ``labels``, default all) at each (shape, tokens)
+    point, the variants interleaved ``repeats`` times so that slow drift hits all of them alike."""
     from mok_serve.kernels import triton_moe
     from mok_serve.kernels.reference import fused_moe_reference
     from mok_serve.kernels.triton_moe import fused_moe_triton
@@ -412,7 +415,8 @@ def sweep(shapes, points, seed, log):
             ref = fused_moe_reference(x, w13, w2, tw, ids)
             variants = [(*v, True) for v in sweep_variants(tokens, K, E, H, I)]
             variants.append(("no PDL", *variants[0][1:3], False))
-            for label, g1, g2, pdl in variants:
+            variants = [v for v in variants if labels is None or v[0] in labels]
+            for rep, (label, g1, g2, pdl) in ((r, v) for r in range(repeats) for v in variants):
                 triton_moe.PDL = pdl  # read at launch, so it is what the graph captures
                 try:
                     fn = lambda: fused_moe_triton(x, w13, w2, tw, ids, _configs=(g1, g2))  # noqa: E731
@@ -426,10 +430,17 @@ def sweep(shapes, points, seed, log):
                 if how != "graph":
                     log(f"  {name} T={tokens} {label}: timed eagerly")
                 results.append(dict(shape=name, tokens=tokens, label=label, g1=g1, g2=g2, ms=ms,
-                                    floor_ms=fl["floor_ms"], err=err))
+                                    floor_ms=fl["floor_ms"], err=err, repeat=rep))
                 log(f"SWEEP {name:14s} T={tokens:5d} {label:28s} {ms:8.3f} ms x{ms / fl['floor_ms']:5.2f} err {err:.1e}")
         del w13, w2
         torch.cuda.empty_cache()
+    if repeats > 1:
+        groups: dict[tuple, list[float]] = {}
+        for r in results:
+            groups.setdefault((r["shape"], r["tokens"], r["label"]), []).append(r["ms"])
+        for (name, tokens, label), times in groups.items():
+            log(f"MEDIAN {name:14s} T={tokens:5d} {label:28s} {statistics.median(times):8.3f} ms "
+                f"(min {min(times):.3f}, max {max(times):.3f}, n {len(times)})")
     return results
 
 
@@ -549,6 +560,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default="layer_bench", help="file name stem of the results")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--sweep", action="store_true", help="time block-size variants of kittens instead")
+    p.add_argument("--sweep-labels", nargs="*", metavar="LABEL", default=None,
+                   help="only these variants of the sweep (default: all, e.g. 'default' 'no PDL' 's4')")
+    p.add_argument("--sweep-repeats", type=int, default=1, help="time the sweep's variants this many times, interleaved")
     p.add_argument("--sweep-points", nargs="*", metavar="SHAPE:TOKENS", default=None,
                    help="the sweep's (shape, tokens) points (default: " + " ".join(f"{s}:{t}" for s, t in SWEEP_POINTS) + ")")
     p.add_argument("--fp8", action="store_true",
@@ -589,7 +603,8 @@ def main(argv: list[str] | None = None) -> int:
         points = SWEEP_POINTS
         if args.sweep_points:
             points = [(pt.rsplit(":", 1)[0], int(pt.rsplit(":", 1)[1])) for pt in args.sweep_points]
-        res = sweep(shapes, [pt for pt in points if pt[0] in shapes], args.seed, log)
+        res = sweep(shapes, [pt for pt in points if pt[0] in shapes], args.seed, log,
+                    labels=args.sweep_labels, repeats=args.sweep_repeats)
         (out / f"{args.name}_sweep.json").write_text(json.dumps(dict(meta=meta, results=res), indent=1))
         log(f"sweep done in {time.time() - t0:.0f} s")
         return 0
