@@ -10,6 +10,40 @@ the Triton interpreter on the CPU and with the compiled kernels on one GPU.
 import torch
 
 
+def global_inputs(seed, counts, num_experts, *, world, hidden, inter, top_k, routing="uniform", quant=None,
+                  device="cuda"):
+    """One layer's global inputs, drawn alike on every rank: ``(x, experts, weights, ids)``, the
+    experts ``(w13, w2)`` in bf16 or, with ``quant="fp8"``, ``(q13, q2, s13, s2)`` block-quantized
+    from the same fp32 draws. ``routing``: "uniform"; "one_rank", every token's experts on rank 0
+    (which owns the first E / world); "hot", expert E - 1 in every token's first slot."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    total = sum(counts)
+    x = torch.randn(total, hidden, device=device, generator=g).bfloat16()
+    w13 = torch.randn(num_experts, 2 * inter, hidden, device=device, generator=g) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, device=device, generator=g) / inter**0.5
+    draw = num_experts // world if routing == "one_rank" else num_experts
+    ids = torch.rand(total, draw, device=device, generator=g).argsort(dim=1)[:, :top_k].to(torch.int32)
+    if routing == "hot":
+        ids[:, 0] = num_experts - 1
+        ids[:, 1:] = torch.rand(total, num_experts - 1, device=device, generator=g).argsort(dim=1)[:, : top_k - 1]
+    weights = torch.rand(total, top_k, device=device, generator=g)
+    if quant == "fp8":
+        from mok_serve.kernels.fp8 import quantize_fp8_blocks
+
+        (q13, s13), (q2, s2) = quantize_fp8_blocks(w13), quantize_fp8_blocks(w2)
+        return x, (q13, q2, s13, s2), weights, ids
+    return x, (w13.bfloat16(), w2.bfloat16()), weights, ids
+
+
+def one_gpu_ops(quant=None):
+    """(one-GPU op, torch reference, relative error bound against it) for bf16 or FP8 experts."""
+    from mok_serve import kernels
+
+    if quant == "fp8":
+        return kernels.fused_moe_fp8, kernels.fused_moe_fp8_reference, 3e-2
+    return kernels.fused_moe, kernels.fused_moe_reference, 1e-2
+
+
 def local_experts(experts, placement, rank):
     """This rank's experts in local-id order: every tensor of ``experts`` (``w13, w2`` and, for FP8,
     their scales) indexed by the global experts the rank owns."""

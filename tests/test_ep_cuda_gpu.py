@@ -20,7 +20,7 @@ import functools
 import pytest
 import rank_runner
 import torch
-from ep_sim import local_experts
+from ep_sim import global_inputs, local_experts, one_gpu_ops
 
 pytestmark = pytest.mark.gpu
 
@@ -32,22 +32,6 @@ WORLD = min(8, torch.cuda.device_count())
 
 def run_ranks(scenario, world=WORLD):
     rank_runner.run_ranks(scenario, world, backend="nccl", timeout=600, join_timeout=30)
-
-
-def global_inputs(seed, counts, num_experts, hidden, inter, top_k, routing="uniform", *, world):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    total = sum(counts)
-    x = torch.randn(total, hidden, device="cuda", generator=g).bfloat16()
-    w13 = (torch.randn(num_experts, 2 * inter, hidden, device="cuda", generator=g) / hidden**0.5).bfloat16()
-    w2 = (torch.randn(num_experts, hidden, inter, device="cuda", generator=g) / inter**0.5).bfloat16()
-    ids = torch.rand(total, num_experts, device="cuda", generator=g).argsort(dim=1)[:, :top_k].to(torch.int32)
-    if routing == "one_rank":  # every token's experts live on rank 0 (it owns the first E / world)
-        ids = torch.rand(total, num_experts // world, device="cuda", generator=g).argsort(dim=1)[:, :top_k].to(torch.int32)
-    elif routing == "hot":  # one expert in every token's first slot
-        ids[:, 0] = num_experts - 1
-        ids[:, 1:] = torch.rand(total, num_experts - 1, device="cuda", generator=g).argsort(dim=1)[:, : top_k - 1].to(torch.int32)
-    weights = torch.rand(total, top_k, device="cuda", generator=g)
-    return x, w13, w2, weights, ids
 
 
 SHAPES = [  # hidden, inter, experts, top_k
@@ -66,9 +50,9 @@ CASES = [  # tokens per rank (the first `world` of them), routing
     ((8192, 3000, 0, 8192, 1, 4096, 77, 8192), "hot"),
 ]
 FP8_CASES = CASES[:7] + [((4096, 1500, 0, 4096, 3, 2048, 77, 4096), "hot")]  # FP8 workspaces hold 4096 tokens per rank
-QUANTS = {  # quant: max tokens per rank, cases, seed offset, rel err bound vs the reference, log tag
-    "bf16": dict(max_tokens=8192, cases=CASES, seed=0, tol=1e-2, tag=""),
-    "fp8": dict(max_tokens=4096, cases=FP8_CASES, seed=2000, tol=3e-2, tag="FP8 "),
+QUANTS = {  # quant: its ep_sim name, max tokens per rank, cases, seed offset, log tag
+    "bf16": dict(quant=None, max_tokens=8192, cases=CASES, seed=0, tag=""),
+    "fp8": dict(quant="fp8", max_tokens=4096, cases=FP8_CASES, seed=2000, tag="FP8 "),
 }
 
 
@@ -76,24 +60,15 @@ def experts_for(num_experts, top_k, world):
     return max(num_experts, top_k * world)
 
 
-def quant_inputs(quant, seed, counts, num_experts, hidden, inter, top_k, routing="uniform", *, world):
-    """(x, experts, weights, ids): experts is (w13, w2) for bf16, (q13, q2, s13, s2) for FP8."""
-    x, w13, w2, weights, ids = global_inputs(seed, counts, num_experts, hidden, inter, top_k, routing, world=world)
-    if quant == "bf16":
-        return x, (w13, w2), weights, ids
-    from mok_serve.kernels.fp8 import quantize_fp8_blocks
-
-    (q13, s13), (q2, s2) = quantize_fp8_blocks(w13), quantize_fp8_blocks(w2)
-    return x, (q13, q2, s13, s2), weights, ids
-
-
 def quant_ops(quant):
-    """(one-GPU op, torch reference, name of the workspace's op) of a quant."""
-    from mok_serve import kernels
+    """(one-GPU op, torch reference, rel err bound, name of the workspace's op) of a quant."""
+    return (*one_gpu_ops(QUANTS[quant]["quant"]), "fused_moe" if quant == "bf16" else "fused_moe_fp8")
 
-    if quant == "bf16":
-        return kernels.fused_moe, kernels.fused_moe_reference, "fused_moe"
-    return kernels.fused_moe_fp8, kernels.fused_moe_fp8_reference, "fused_moe_fp8"
+
+def quant_inputs(quant, seed, counts, num_experts, hidden, inter, top_k, routing="uniform", *, world):
+    """(x, experts, weights, ids) of ``ep_sim.global_inputs`` for a quant of QUANTS."""
+    return global_inputs(seed, counts, num_experts, world=world, hidden=hidden, inter=inter, top_k=top_k,
+                         routing=routing, quant=QUANTS[quant]["quant"])
 
 
 def workspace(quant, placement, max_tokens, hidden, top_k, timeout_s=30.0):
@@ -110,7 +85,7 @@ def scenario_bitwise(rank, world, quant="bf16"):
     from mok_serve.kernels.ep_cuda import ExpertPlacement
 
     q = QUANTS[quant]
-    one_gpu, reference, op = quant_ops(quant)
+    one_gpu, reference, tol, op = quant_ops(quant)
     tag = q["tag"]
     lines = []
     for si, (H, I, E, K) in enumerate(SHAPES):
@@ -140,7 +115,7 @@ def scenario_bitwise(rank, world, quant="bf16"):
                 ws._raise_if_error(ws.state.cpu())
                 if counts[rank]:
                     err = ((out.float() - ref[sl].float()).norm() / ref[sl].float().norm()).item()
-                    assert err < q["tol"], f"{tag}shape {si} case {ci} {mode}: rel err {err}"
+                    assert err < tol, f"{tag}shape {si} case {ci} {mode}: rel err {err}"
                 assert torch.equal(out, expected[sl]), (
                     f"{tag}shape {si} case {ci} ({counts}, {routing}) {mode}: EP={world} differs from one GPU; "
                     f"max diff {(out.float() - expected[sl].float()).abs().max().item()}"
@@ -160,7 +135,7 @@ def scenario_bitwise(rank, world, quant="bf16"):
 def scenario_graph(rank, world, quant="bf16"):
     from mok_serve.kernels.ep_cuda import ExpertPlacement
 
-    one_gpu, _, op = quant_ops(quant)
+    one_gpu, _, _, op = quant_ops(quant)
     tag = QUANTS[quant]["tag"]
     H, I, K = 1024, 512, 8
     E = experts_for(16, K, world)
@@ -199,8 +174,8 @@ def scenario_silent_peer(rank, world):
         None, max_tokens_per_rank=16, hidden_size=H, top_k=K, dtype=torch.bfloat16, placement=placement,
         timeout_s=1.0,
     )
-    x, w13, w2, weights, ids = global_inputs(5, [8, 8], E, H, I, K, world=world)
-    l13, l2 = local_experts((w13, w2), placement, rank)
+    x, experts, weights, ids = global_inputs(5, [8, 8], E, world=world, hidden=H, inter=I, top_k=K)
+    l13, l2 = local_experts(experts, placement, rank)
     if rank != 0:
         dist.barrier()  # never calls the layer; waits until rank 0 has given up
         return "silent"

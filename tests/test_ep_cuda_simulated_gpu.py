@@ -11,7 +11,7 @@ covered: that is ``test_ep_cuda_gpu.py``, which runs at as many GPUs as the mach
 
 import pytest
 import torch
-from ep_sim import local_experts, run_call, run_split, simulated_ranks
+from ep_sim import global_inputs, local_experts, one_gpu_ops, run_call, run_split, simulated_ranks
 from moe_test_utils import rel_err
 
 pytestmark = pytest.mark.gpu
@@ -34,35 +34,6 @@ MODES = [  # return mode, rows pulled inside GEMM1, quant
 ]
 
 
-def global_inputs(seed, counts, num_experts, world, hidden, inter, top_k, routing, quant):
-    """(x, experts, weights, ids): experts ``(w13, w2)``, or ``(q13, q2, s13, s2)`` for FP8."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    total = sum(counts)
-    x = torch.randn(total, hidden, device="cuda", generator=g).bfloat16()
-    w13 = torch.randn(num_experts, 2 * inter, hidden, device="cuda", generator=g) / hidden**0.5
-    w2 = torch.randn(num_experts, hidden, inter, device="cuda", generator=g) / inter**0.5
-    draw = num_experts // world if routing == "one_rank" else num_experts  # rank 0 owns the first E / world
-    ids = torch.rand(total, draw, device="cuda", generator=g).argsort(dim=1)[:, :top_k].to(torch.int32)
-    if routing == "hot":  # one expert in every token's first slot
-        ids[:, 0] = num_experts - 1
-        ids[:, 1:] = torch.rand(total, num_experts - 1, device="cuda", generator=g).argsort(dim=1)[:, : top_k - 1]
-    weights = torch.rand(total, top_k, device="cuda", generator=g)
-    if quant == "fp8":
-        from mok_serve.kernels.fp8 import quantize_fp8_blocks
-
-        (q13, s13), (q2, s2) = quantize_fp8_blocks(w13), quantize_fp8_blocks(w2)
-        return x, (q13, q2, s13, s2), weights, ids
-    return x, (w13.bfloat16(), w2.bfloat16()), weights, ids
-
-
-def one_gpu_ops(quant):
-    from mok_serve import kernels
-
-    if quant == "fp8":
-        return kernels.fused_moe_fp8, kernels.fused_moe_fp8_reference, 3e-2
-    return kernels.fused_moe, kernels.fused_moe_reference, 1e-2
-
-
 @pytest.mark.parametrize("return_mode,pull_in_gemm1,quant", MODES)
 @pytest.mark.parametrize("world", sorted(CASES))
 def test_simulated_ep_equals_one_gpu_bitwise(world, return_mode, pull_in_gemm1, quant):
@@ -74,7 +45,8 @@ def test_simulated_ep_equals_one_gpu_bitwise(world, return_mode, pull_in_gemm1, 
             return_mode=return_mode, pull_in_gemm1=pull_in_gemm1,
         )
         for ci, (counts, routing) in enumerate(CASES[world]):
-            x, experts, weights, ids = global_inputs(100 * si + ci, counts, E, world, H, I, K, routing, quant)
+            x, experts, weights, ids = global_inputs(100 * si + ci, counts, E, world=world, hidden=H, inter=I, top_k=K,
+                                                    routing=routing, quant=quant)
             expected = one_gpu(x, *experts, weights, ids)
             ref = reference(x, *experts, weights, ids)
             for call in range(2):  # back-to-back calls on the same segments
@@ -102,7 +74,7 @@ def test_simulated_ep_cuda_graph_replays(world):
     counts = CASES[world][0][0]
     ranks, placement, _ = simulated_ranks(world, E, max_tokens=MAX_T, hidden=H, top_k=K, device="cuda",
                                           timeout_s=30.0, pull_in_gemm1=True)
-    x, experts, weights, ids = global_inputs(7, counts, E, world, H, I, K, "uniform", None)
+    x, experts, weights, ids = global_inputs(7, counts, E, world=world, hidden=H, inter=I, top_k=K)
     bounds = [sum(counts[:r]) for r in range(world + 1)]
     xs, ws_, is_ = x.clone(), weights.clone(), ids.clone()
     args = [(xs[bounds[r]:bounds[r + 1]], *local_experts(experts, placement, r), ws_[bounds[r]:bounds[r + 1]],
@@ -113,7 +85,7 @@ def test_simulated_ep_cuda_graph_replays(world):
     with torch.cuda.graph(graph):
         outs = run_call(ranks, args)
     for seed in (11, 12, 13):
-        x2, _, w2b, ids2 = global_inputs(seed, counts, E, world, H, I, K, "uniform", None)
+        x2, _, w2b, ids2 = global_inputs(seed, counts, E, world=world, hidden=H, inter=I, top_k=K)
         xs.copy_(x2)
         ws_.copy_(w2b)
         is_.copy_(ids2)

@@ -59,19 +59,9 @@ def install_vllm_stand_ins(rank, world, dp_tokens):
 
 def layer_inputs(seed, counts, quant):
     """Global tokens, experts and routing of one layer, the same on every rank."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    total = sum(counts)
-    x = torch.randn(total, H, device="cuda", generator=g).bfloat16()
-    w13 = torch.randn(E, 2 * I, H, device="cuda", generator=g) / H**0.5
-    w2 = torch.randn(E, H, I, device="cuda", generator=g) / I**0.5
-    ids = torch.rand(total, E, device="cuda", generator=g).argsort(dim=1)[:, :K].to(torch.int32)
-    weights = torch.rand(total, K, device="cuda", generator=g)
-    if quant == "fp8":
-        from mok_serve.kernels.fp8 import quantize_fp8_blocks
+    from ep_sim import global_inputs
 
-        (q13, s13), (q2, s2) = quantize_fp8_blocks(w13), quantize_fp8_blocks(w2)
-        return x, (q13, q2, s13, s2), weights, ids
-    return x, (w13.bfloat16(), w2.bfloat16()), weights, ids
+    return global_inputs(seed, counts, E, world=WORLD, hidden=H, inter=I, top_k=K, quant=quant)
 
 
 def vllm_expert_map(rank, world):
