@@ -508,14 +508,17 @@ def pick_configs(tokens: int, top_k: int, num_local: int, hidden: int, inter: in
         bn1 = 64
         while bn1 > 16 and busy * triton.cdiv(inter, bn1) < 264:
             bn1 //= 2
-        bn2 = 128
-        while bn2 > 32 and busy * triton.cdiv(hidden, bn2) < 264:
-            bn2 //= 2
         # Pipeline depth: with at most two tokens' experts busy the grid is a few hundred programs, and
         # 5 stages keep the most weight bytes in flight per program; beyond, 4 stages fit more programs
         # per SM (sweeps at d12e81a/c32df4d, loadtest/results/sweep_{decode,mid,stages}_*.json: 4 stages
         # 1-7% faster than 5 at 8-128 tokens on all five shapes; at 1 token no depth wins everywhere).
         stages = 5 if busy <= 2 * top_k else 4
+        # GEMM2 column tiles: with 5 stages one program per SM streams enough, and wider tiles are
+        # faster (interleaved sweep at b22b37b, sweep_g2n_b22b37b.json: 1-2 tokens, all five shapes,
+        # 0-12% faster than half as wide); with 4 stages, two programs per SM.
+        bn2, min_programs = (256, 132) if stages == 5 else (128, 264)
+        while bn2 > 32 and busy * triton.cdiv(hidden, bn2) < min_programs:
+            bn2 //= 2
         g1 = dict(BLOCK_M=64, BLOCK_N=bn1, BLOCK_K=bk1, num_warps=4, num_stages=stages, GU_FUSED=True)
         g2 = dict(BLOCK_M=64, BLOCK_N=bn2, BLOCK_K=bk2, num_warps=4, num_stages=stages, USE_TMA=True)
     else:
