@@ -195,8 +195,9 @@ def _ep_post_kernel(
     COPY_X: tl.constexpr, QUANT: tl.constexpr, QROWS: tl.constexpr, RNE_FIX: tl.constexpr, PDL: tl.constexpr,
 ):
     """Programs ``< id_programs``: ``n``, the call's token bound, the ids and (``COPY_X``) the token
-    rows of ``BT`` tokens into the segment. The others (``QUANT``): ``triton_moe_fp8``'s quantization pass, e4m3 rows into
-    ``seg_x`` and their 1 x 128 group scales into ``seg_xs``, bit for bit as on one GPU."""
+    rows of ``BT`` tokens into the segment. The others (``QUANT``): ``triton_moe_fp8``'s
+    quantization pass, e4m3 rows into ``seg_x`` and their 1 x 128 group scales into ``seg_xs``, bit
+    for bit as on one GPU."""
     _grid_dependency(PDL)
     pid = tl.program_id(0)
     if pid < id_programs:
@@ -250,7 +251,7 @@ def _ep_gather_kernel(
 ):
     """Source ``s``'s ids into ``all_ids[s]`` (-1 past its token count) and, with ``COPY_ROWS``, a
     pull of each of its token rows that has a local expert, once, from its segment into
-    ``xl[s * maxT + t]`` (FP8: the e4m3 row, copied as bytes, and with ``SCALES`` its ``G`` fp32
+    ``xl[s * max_tokens + t]`` (FP8: the e4m3 row, copied as bytes, and with ``SCALES`` its ``G`` fp32
     group scales into ``xsl``). Without ``COPY_ROWS`` GEMM1 pulls the rows (``_ep_gemm1_pull_kernel``)
     and this zeroes its chunk queue. ``max_tokens`` is the call's bound on any source's tokens: source
     ``s``'s rows start at ``s * max_tokens`` in ``all_ids`` and ``xl``.
