@@ -25,6 +25,11 @@ k order) in four launches and with no host synchronisation:
 4. ``_moe_combine_kernel`` -- ``out[t] = sum_k w[t,k] * y[t,k]`` in fp32, k in order; rows whose
    expert is not local (or whose id is out of range) are not read and contribute zero.
 
+Every kernel is launched with programmatic dependent launch on Hopper and newer (``pdl_launch``):
+it waits for the previous kernel in the stream before touching memory (``_grid_dependency``) and
+lets the next one's programs start early, which hides the launch gaps (~2 us per call at decode
+sizes, kernels/NOTES.md); ``MOK_PDL=0`` launches them the ordinary way.
+
 Batch invariance: every output element of a GEMM accumulates its K dimension in the same order
 (``BLOCK_K`` chunks, in increasing k, chained on one fp32 accumulator, no split-K) whatever the
 number of rows; the block sizes are chosen from static shape information. ``BLOCK_M >= 64`` always,
