@@ -177,3 +177,26 @@ def test_stock_fp8_method_is_untouched_without_kittens():
     layer = type("Layer", (), {"moe_config": _moe_config("auto")})()
     method = vllm_fp8.Fp8MoEMethod(vllm_fp8.Fp8Config(weight_block_size=[128, 128]), layer)
     assert method.experts_cls is not KittensFp8Experts
+
+
+@pytest.mark.parametrize(
+    "replicated,dp_tokens,expected",
+    [(False, [3, 17], 17), (False, [3, 5000], 4096), (False, None, None), (True, [3, 17], None)],
+    ids=["dp-step", "dp-clipped-to-limit", "no-dp-metadata", "replicated"],
+)
+def test_ep_calls_are_sized_by_the_steps_largest_dp_count(monkeypatch, replicated, dp_tokens, expected):
+    # Under data parallelism vLLM's forward context holds every DP rank's token count; the glue passes
+    # its maximum (within the workspace limit) as max_tokens_across_ranks, the same on every rank.
+    import types
+
+    import torch
+
+    from mok_serve.vllm import expert_parallel
+
+    dp = None if dp_tokens is None else types.SimpleNamespace(num_tokens_across_dp_cpu=torch.tensor(dp_tokens))
+    monkeypatch.setattr(expert_parallel, "is_forward_context_available", lambda: True)
+    monkeypatch.setattr(expert_parallel, "get_forward_context", lambda: types.SimpleNamespace(dp_metadata=dp))
+    ws = types.SimpleNamespace(replicated=replicated, max_tokens=4096)
+    assert expert_parallel._max_tokens_across_ranks(ws) == expected
+    monkeypatch.setattr(expert_parallel, "is_forward_context_available", lambda: False)
+    assert expert_parallel._max_tokens_across_ranks(ws) is None
