@@ -8,6 +8,8 @@ half of all (token, k) assignments to expert 0), in the same run:
   row's tokens per rank), captured in a CUDA graph; and (bf16) rows in GEMM1: pull return with
   GEMM1's tiles pulling the token rows and starting as they arrive (``pull_in_gemm1=True``), against
   the default, which pulls every row in a kernel before GEMM1;
+- kittens-pull with every kernel launched the ordinary way (``MOK_PDL=0``) instead of with
+  programmatic dependent launch, its own table;
 - a2a: NCCL ``all_to_all_single`` of every (token, k) row (split sizes exchanged first: a host
   sync), argsort, ``torch._grouped_mm`` x2, ``all_to_all_single`` back, fp32 weighted sum;
 - agrs: all-gather tokens, local experts (grouped_mm) over the gathered rows they own,
