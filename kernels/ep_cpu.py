@@ -86,6 +86,18 @@ def _attach(name: str) -> shared_memory.SharedMemory:
     return shm
 
 
+def call_bound(tokens: int, max_tokens_across_ranks: int | None, max_tokens_per_rank: int) -> int:
+    """A call's bound on every rank's tokens (default the workspace limit), checked against this
+    rank's tokens and the limit; both EP workspaces take it."""
+    bound = max_tokens_per_rank if max_tokens_across_ranks is None else max_tokens_across_ranks
+    if not tokens <= bound <= max_tokens_per_rank:
+        raise ValueError(
+            f"max_tokens_across_ranks={bound} must be at least this rank's {tokens} tokens and at most "
+            f"the workspace's max_tokens_per_rank={max_tokens_per_rank}"
+        )
+    return bound
+
+
 class _Segment:
     """Typed views into one rank's shared-memory segment."""
 
@@ -246,12 +258,7 @@ class SharedMemoryEPWorkspace:
             )
         if hidden_states.dtype != self.dtype:
             raise ValueError(f"kittens EP workspace is for {self.dtype}, got {hidden_states.dtype}")
-        bound = self.max_tokens if max_tokens_across_ranks is None else max_tokens_across_ranks
-        if not tokens <= bound <= self.max_tokens:
-            raise ValueError(
-                f"max_tokens_across_ranks={bound} must be at least this rank's {tokens} tokens and at most "
-                f"the workspace's max_tokens_per_rank={self.max_tokens}"
-            )
+        bound = call_bound(tokens, max_tokens_across_ranks, self.max_tokens)
         epoch = self.epoch + 1
         me = self.segments[self.rank]
 

@@ -79,7 +79,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from .ep_cpu import ExpertPlacement, PeerTimeoutError
+from .ep_cpu import ExpertPlacement, PeerTimeoutError, call_bound
 from .fp8 import BLOCK_SHAPE, FP8_DTYPE, check_fused_moe_fp8_args
 from .reference import check_fused_moe_args
 from .triton_moe import (
@@ -806,12 +806,7 @@ class SymmetricMemoryEPWorkspace:
             )
         if hidden_states.dtype != self.dtype:
             raise ValueError(f"kittens EP workspace is for {self.dtype}, got {hidden_states.dtype}")
-        bound = self.max_tokens if max_tokens_across_ranks is None else max_tokens_across_ranks
-        if not tokens <= bound <= self.max_tokens:
-            raise ValueError(
-                f"max_tokens_across_ranks={bound} must be at least this rank's {tokens} tokens and at most "
-                f"the workspace's max_tokens_per_rank={self.max_tokens}"
-            )
+        bound = call_bound(tokens, max_tokens_across_ranks, self.max_tokens)
         if not capturing:
             self.epoch += 1
             self._layers[self.epoch] = layer
