@@ -330,7 +330,7 @@ def _ep_gemm1_pull_kernel(
     TOPK: tl.constexpr, E_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-    GU_FUSED: tl.constexpr, USE_TMA: tl.constexpr, GROUP_M: tl.constexpr,
+    USE_TMA: tl.constexpr, GROUP_M: tl.constexpr,
     K_PAD: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):
     """GEMM1 that pulls its own A rows (``x_ptr`` is ``xl``): chunks of ``BT`` source tokens are
@@ -382,7 +382,7 @@ def _ep_gemm1_pull_kernel(
         _gemm1_tile(
             x_ptr, w_ptr, w_desc, act_ptr, tok, offs_m, row_ok, pid_n, e, start_e, H, I,
             stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
-            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, GU_FUSED, USE_TMA,
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA,
         )
 
 

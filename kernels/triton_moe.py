@@ -16,9 +16,10 @@ k order) in four launches and with no host synchronisation:
    Row tiles are numbered expert by expert; each program maps its tile id to (expert, first row)
    from the per-expert counts (a cumsum over at most 512 experts, in registers). The grid is the
    worst case (``T*K // BM + min(E, T*K)`` row tiles) and surplus programs exit at once. The A rows
-   are gathered from ``hidden_states`` by token index inside the K loop (no permuted copy). Gate and
-   up rows of ``w13`` are interleaved into one ``2*BLOCK_N``-wide B tile so one dot makes both. The
-   epilogue computes ``silu(gate) * up`` in fp32 and writes the activation in expert order.
+   are gathered from ``hidden_states`` by token index inside the K loop (no permuted copy). A
+   column tile's gate rows and up rows of ``w13`` form one ``2*BLOCK_N``-wide B tile (one TMA box)
+   so one dot makes both. The epilogue computes ``silu(gate) * up`` in fp32 and writes the
+   activation in expert order.
 3. ``_moe_gemm2_kernel`` -- grouped GEMM over ``w2`` (weight tiles by TMA) reading the activation
    rows in expert order and scattering each output row to its (token, k) slot of ``y``
    (``[T*K, H]``), so the combine reads a token's k rows contiguously.
@@ -239,62 +240,39 @@ def _gemm1_tile(
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-    GU_FUSED: tl.constexpr, USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of GEMM1 for expert ``e`` (A rows ``x[tok]``), SiLU(gate) * up
-    stored into ``act``. Shared with the expert-parallel GEMM1 that pulls its rows (ep_cuda.py)."""
+    stored into ``act``. Shared with the expert-parallel GEMM1 that pulls its rows (ep_cuda.py).
+
+    The B tile is [BLOCK_K, 2*BLOCK_N]: this column tile's gate rows of ``w13`` then its up rows,
+    so a single dot (one wgmma chain of width 2*BLOCK_N) makes both; the epilogue splits the
+    accumulator in halves. With ``USE_TMA`` one TMA box of ``w13`` viewed as [E, 2, I, H] holds it
+    (past I or H: zero fill); else pointer loads."""
     offs_k = tl.arange(0, BLOCK_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
     # A rows gathered from hidden_states by token index (no permuted copy).
     a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
-    w_base = w_ptr + e.to(tl.int64) * stride_we
-    if GU_FUSED:
-        # One [BLOCK_K, 2*BLOCK_N] B tile whose columns interleave gate and up rows of w13, so
-        # a single dot (one wgmma chain of width 2*BLOCK_N) makes both; split in the epilogue.
-        offs_j = tl.arange(0, 2 * BLOCK_N)
-        n_j = pid_n * BLOCK_N + offs_j // 2
-        nj_ok = n_j < I
-        w_ptrs = w_base + (n_j + (offs_j % 2) * I)[None, :] * stride_wn + offs_k[:, None] * stride_wk
-        acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            a, b = _load_gate_up_tiles(a_ptrs, w_ptrs, row_ok, nj_ok, offs_k < H - k0, EVEN_K, EVEN_N)
-            acc = _dot(a, b, acc, DOT_IEEE, DOT_F32)
-            a_ptrs += BLOCK_K * stride_xh
-            w_ptrs += BLOCK_K * stride_wk
-        acc_g, acc_u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
-    else:
-        wg_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-        wu_ptrs = wg_ptrs + I * stride_wn
-        row_g = e * (2 * I) + pid_n * BLOCK_N  # row of w13 viewed as [E*2I, H] (TMA path)
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
+    offs_j = tl.arange(0, 2 * BLOCK_N)
+    n_j = pid_n * BLOCK_N + offs_j % BLOCK_N
+    nj_ok = n_j < I
+    w_ptrs = (w_ptr + e.to(tl.int64) * stride_we + (n_j + (offs_j // BLOCK_N) * I)[None, :] * stride_wn
+              + offs_k[:, None] * stride_wk)
+    acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        if USE_TMA:
             if EVEN_K:
                 a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
             else:
-                k_ok = offs_k < H - k0
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            if USE_TMA:
-                # Weight tiles by the tensor-memory accelerator (rows past I spill into the
-                # next rows of w13 and are masked at the store; past the tensor: zero fill).
-                bg = w_desc.load([row_g, k0]).T
-                bu = w_desc.load([row_g + I, k0]).T
-            elif EVEN_K:
-                if EVEN_N:
-                    bg = tl.load(wg_ptrs)
-                    bu = tl.load(wu_ptrs)
-                else:
-                    bg = tl.load(wg_ptrs, mask=n_ok[None, :], other=0.0)
-                    bu = tl.load(wu_ptrs, mask=n_ok[None, :], other=0.0)
-            else:
-                bg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                bu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc_g = _dot(a, bg, acc_g, DOT_IEEE, DOT_F32)
-            acc_u = _dot(a, bu, acc_u, DOT_IEEE, DOT_F32)
-            a_ptrs += BLOCK_K * stride_xh
-            wg_ptrs += BLOCK_K * stride_wk
-            wu_ptrs += BLOCK_K * stride_wk
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k < H - k0)[None, :], other=0.0)
+            b = w_desc.load([e, 0, pid_n * BLOCK_N, k0]).reshape(2 * BLOCK_N, BLOCK_K).T
+        else:
+            a, b = _load_gate_up_tiles(a_ptrs, w_ptrs, row_ok, nj_ok, offs_k < H - k0, EVEN_K, EVEN_N)
+        acc = _dot(a, b, acc, DOT_IEEE, DOT_F32)
+        a_ptrs += BLOCK_K * stride_xh
+        w_ptrs += BLOCK_K * stride_wk
+    acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
     # Same rounding points as the reference: gate/up in the input dtype, SiLU*up in fp32.
     out_ty = act_ptr.dtype.element_ty
     gate = _cast(acc_g, out_ty, DOT_F32).to(tl.float32)
@@ -312,8 +290,7 @@ def _moe_gemm1_kernel(
     TOPK: tl.constexpr, E_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-    GU_FUSED: tl.constexpr, USE_TMA: tl.constexpr, GROUP_M: tl.constexpr, HALF_TAIL: tl.constexpr,
-    PDL: tl.constexpr,
+    USE_TMA: tl.constexpr, GROUP_M: tl.constexpr, HALF_TAIL: tl.constexpr, PDL: tl.constexpr,
 ):
     _grid_dependency(PDL)
     in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
@@ -327,19 +304,19 @@ def _moe_gemm1_kernel(
                 _gemm1_rows(
                     x_ptr, w_ptr, w_desc, act_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
                     stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
-                    TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, GU_FUSED, USE_TMA,
+                    TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA,
                 )
             else:
                 _gemm1_rows(
                     x_ptr, w_ptr, w_desc, act_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
                     stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
-                    TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, GU_FUSED, USE_TMA,
+                    TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA,
                 )
         else:
             _gemm1_rows(
                 x_ptr, w_ptr, w_desc, act_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
                 stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
-                TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, GU_FUSED, USE_TMA,
+                TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA,
             )
 
 
@@ -349,13 +326,13 @@ def _gemm1_rows(
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-    GU_FUSED: tl.constexpr, USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     offs_m, row_ok, rows = _tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
     _gemm1_tile(
         x_ptr, w_ptr, w_desc, act_ptr, (rows // TOPK).to(tl.int64), offs_m, row_ok, pid_n, e, start_e, H, I,
         stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
-        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, GU_FUSED, USE_TMA,
+        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA,
     )
 
 
@@ -501,7 +478,7 @@ def pick_configs(tokens: int, top_k: int, num_local: int, hidden: int, inter: in
     Regimes by the average rows per expert (``tokens * top_k / experts``, a static quantity):
     few rows -> weight streaming (64-row tiles, narrow column tiles so that >= 2 programs per SM
     read weights at decode sizes); more rows -> 128-row tiles, 128x256 output tiles. Measured on an
-    H200 (kernels/NOTES.md): gate/up fused into one dot and TMA weight tiles in GEMM2 were best or
+    H200 (kernels/NOTES.md): gate/up in one dot and TMA weight tiles in both GEMMs were best or
     within noise everywhere; 128-row tiles beat 64-row tiles from ~64 rows per expert on.
     """
     rows = tokens * top_k
@@ -524,14 +501,14 @@ def pick_configs(tokens: int, top_k: int, num_local: int, hidden: int, inter: in
         bn2, min_programs = (256, 132) if stages == 5 else (128, 264)
         while bn2 > 32 and busy * triton.cdiv(hidden, bn2) < min_programs:
             bn2 //= 2
-        g1 = dict(BLOCK_M=64, BLOCK_N=bn1, BLOCK_K=bk1, num_warps=4, num_stages=stages, GU_FUSED=True)
+        g1 = dict(BLOCK_M=64, BLOCK_N=bn1, BLOCK_K=bk1, num_warps=4, num_stages=stages, USE_TMA=True)
         g2 = dict(BLOCK_M=64, BLOCK_N=bn2, BLOCK_K=bk2, num_warps=4, num_stages=stages, USE_TMA=True)
     else:
         # 4 stages hide more HBM latency where weights still dominate (~5-12% faster at 2048 tokens);
         # at >160 rows/expert the 4th stage (192 KB of shared memory) was up to 33% slower.
         stages = 4 if avg <= 160 else 3
         # Half-height last tiles (HALF_TAIL) were 1-7% faster at 2048-8192 tokens (sweep at 93218e1).
-        g1 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=bk1, num_warps=8, num_stages=stages, GU_FUSED=True, GROUP_M=4,
+        g1 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=bk1, num_warps=8, num_stages=stages, USE_TMA=True, GROUP_M=4,
                   HALF_TAIL=True)
         g2 = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=bk2, num_warps=8, num_stages=stages, USE_TMA=True, GROUP_M=4,
                   HALF_TAIL=True)
@@ -547,6 +524,12 @@ def _descriptor(t2d: torch.Tensor, block: list[int]):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return TensorDescriptor.from_tensor(t2d, block)
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """Whether TMA can read ``t`` as the 2-D (or reshaped) views here: contiguous, 16-byte aligned
+    start and rows."""
+    return t.is_contiguous() and t.data_ptr() % 16 == 0 and (t.shape[-1] * t.element_size()) % 16 == 0
 
 
 def _interpreting() -> bool:
@@ -641,14 +624,14 @@ def launch_gemm1(
     GEMM1 that pulls its rows), ``extra_args`` / ``extra_constexprs`` being its own ones."""
     num_local, two_i, hidden = w13.shape
     inter = two_i // 2
-    g = _gemm_config(config, act, interpret, GU_FUSED=False, GROUP_M=1, HALF_TAIL=False)
+    g = _gemm_config(config, act, interpret, GROUP_M=1, HALF_TAIL=False)
     if kernel is not None:
         g.pop("HALF_TAIL")  # the expert-parallel kernels always run full tiles
     bm, bn = g["BLOCK_M"], g["BLOCK_N"]
     w13_desc = w13
     if g["USE_TMA"]:
-        if w13.is_contiguous() and not g["GU_FUSED"]:
-            w13_desc = _descriptor(w13.view(num_local * two_i, hidden), [bn, g["BLOCK_K"]])
+        if _tma_ok(w13):
+            w13_desc = _descriptor(w13.view(num_local, 2, inter, hidden), [1, 2, bn, g["BLOCK_K"]])
         else:
             g["USE_TMA"] = False
     num_m = _max_row_tiles(rows, num_local, bm)
@@ -687,7 +670,7 @@ def launch_gemm2(
     bm, bn = g["BLOCK_M"], g["BLOCK_N"]
     w2_desc = w2
     if g["USE_TMA"]:
-        if w2.is_contiguous():
+        if _tma_ok(w2):
             w2_desc = _descriptor(w2.view(num_local * hidden, inter), [bn, g["BLOCK_K"]])
         else:
             g["USE_TMA"] = False

@@ -366,6 +366,7 @@ def sweep_variants(tokens, top_k, E, H, I):
 
     out = [("default", d1, d2)]
     avg = tokens * top_k / E
+    out += [("g1 pointer", v(d1, USE_TMA=False), d2)]  # GEMM1 weight tiles by pointer loads
     if avg > 48:
         out += [
             ("group1", v(d1, GROUP_M=1), v(d2, GROUP_M=1)),
@@ -413,6 +414,9 @@ def sweep(shapes, points, seed, log, labels=None, repeats=1):
             tw, ids = make_routing(tokens, E, K, "uniform", gen)
             fl = floor_of(tokens, H, I, K, ids)
             ref = fused_moe_reference(x, w13, w2, tw, ids)
+            # Every variant must give the default's output bit for bit (batch invariance holds
+            # only if block shapes do not change the arithmetic).
+            default_out = fused_moe_triton(x, w13, w2, tw, ids)
             variants = [(*v, True) for v in sweep_variants(tokens, K, E, H, I)]
             variants.append(("no PDL", *variants[0][1:3], False))
             variants = [v for v in variants if labels is None or v[0] in labels]
@@ -420,7 +424,9 @@ def sweep(shapes, points, seed, log, labels=None, repeats=1):
                 triton_moe.PDL = pdl  # read at launch, so it is what the graph captures
                 try:
                     fn = lambda: fused_moe_triton(x, w13, w2, tw, ids, _configs=(g1, g2))  # noqa: E731
-                    err = rel_err(fn(), ref)
+                    got = fn()
+                    err = rel_err(got, ref)
+                    bitwise = bool(torch.equal(got, default_out))
                     ms, how = graph_time(fn, rep_ms=40)
                 except Exception as exc:  # noqa: BLE001
                     log(f"  {name} T={tokens} {label}: failed {type(exc).__name__}: {str(exc)[:200]}")
@@ -430,8 +436,9 @@ def sweep(shapes, points, seed, log, labels=None, repeats=1):
                 if how != "graph":
                     log(f"  {name} T={tokens} {label}: timed eagerly")
                 results.append(dict(shape=name, tokens=tokens, label=label, g1=g1, g2=g2, ms=ms,
-                                    floor_ms=fl["floor_ms"], err=err, repeat=rep))
-                log(f"SWEEP {name:14s} T={tokens:5d} {label:28s} {ms:8.3f} ms x{ms / fl['floor_ms']:5.2f} err {err:.1e}")
+                                    floor_ms=fl["floor_ms"], err=err, bitwise_vs_default=bitwise, repeat=rep))
+                log(f"SWEEP {name:14s} T={tokens:5d} {label:28s} {ms:8.3f} ms x{ms / fl['floor_ms']:5.2f} err {err:.1e}"
+                    f"{'' if bitwise else ' NOT BITWISE EQUAL TO DEFAULT'}")
         del w13, w2
         torch.cuda.empty_cache()
     if repeats > 1:

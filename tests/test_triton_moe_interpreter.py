@@ -86,13 +86,11 @@ def test_strided_int64_ids_and_bf16_weights():
     [
         (dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=32), dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=16)),
         (dict(BLOCK_M=128, BLOCK_N=32, BLOCK_K=32), dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=16)),
-        # gate and up interleaved into one dot
-        (dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=32, GU_FUSED=True), dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=16)),
-        (dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, GU_FUSED=True), dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32)),
+        (dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=64), dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32)),
         # grouped program order
         (dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=32, GROUP_M=3), dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=16, GROUP_M=2)),
         # half-height last tiles: experts get 15, 21, 25 and 19 rows, so expert 0 runs a 16-row tile
-        (dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=32, GU_FUSED=True, HALF_TAIL=True),
+        (dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=32, HALF_TAIL=True),
          dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, HALF_TAIL=True)),
     ],
 )
