@@ -135,6 +135,28 @@ def test_out_of_range_ids_raise_eagerly_and_stay_in_bounds_under_capture():
     assert rel_err(out, ref_fp32(x, w13, w2, tw * keep, ids)) <= 1e-2
 
 
+def test_weights_tma_cannot_read_take_pointer_loads_with_the_same_bits():
+    """Weight tiles come by TMA where the weights are contiguous with 16-byte rows, else by pointer
+    loads: both give the same bits, and rows of 200 / 72 bytes still match the reference."""
+    g = torch.Generator(device=DEV).manual_seed(fresh_seed())
+    E, H, I, K, T = 8, 256, 128, 2, 300
+    w13 = torch.randn(E, 2 * I, 2 * H, device=DEV, dtype=torch.bfloat16, generator=g) / H**0.5
+    w2 = torch.randn(E, 2 * H, I, device=DEV, dtype=torch.bfloat16, generator=g) / I**0.5
+    strided13, strided2 = w13[:, :, :H], w2[:, ::2, :]  # non-contiguous: no TMA
+    x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16, generator=g)
+    tw, ids = routing(T, E, K, gen=g)
+    by_tma = poisoned_call(fused_moe, x, strided13.contiguous(), strided2.contiguous(), tw, ids)
+    by_pointer = poisoned_call(fused_moe, x, strided13, strided2, tw, ids)
+    assert torch.equal(by_tma, by_pointer)
+    assert rel_err(by_tma, ref_fp32(x, strided13, strided2, tw, ids)) <= 1e-2
+    H, I = 100, 36  # 200- and 72-byte rows
+    w13 = torch.randn(E, 2 * I, H, device=DEV, dtype=torch.bfloat16, generator=g) / H**0.5
+    w2 = torch.randn(E, H, I, device=DEV, dtype=torch.bfloat16, generator=g) / I**0.5
+    x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16, generator=g)
+    out = poisoned_call(fused_moe, x, w13, w2, tw, ids)
+    assert rel_err(out, ref_fp32(x, w13, w2, tw, ids)) <= 1e-2
+
+
 def test_nan_stays_in_its_token():
     check_nan_stays_in_its_token(fused_moe, weights_for("Qwen3-235B-A22B"))
 
