@@ -22,7 +22,7 @@ The floor counts FP8 weight bytes (1 per element plus the fp32 block scales) and
 dense FP8 rate measured in the same run (``torch._scaled_mm``, 16384 x 7168 x 4096).
 
 ``main(argv)`` is the entry point (``mok-loadtest layer``); ``--sweep`` times block-size variants
-of kittens at a few points instead.
+of kittens at a few points instead, and ``--profile`` splits a call's device time by kernel.
 """
 
 from __future__ import annotations
@@ -451,6 +451,47 @@ def sweep(shapes, points, seed, log, labels=None, repeats=1):
     return results
 
 
+def profile(shapes, points, seed, log, calls=10):
+    """Where one kittens call's time goes, at each (shape, tokens) point (uniform routing): each
+    kernel's mean device time per call under ``torch.profiler`` (eager calls, L2 flushed before
+    each), beside the call's CUDA-graph replay time. Returns one dict per point."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from mok_serve.kernels.triton_moe import fused_moe_triton
+
+    results = []
+    for name, tokens in points:
+        s = shapes[name]
+        E, H, I, K = s["routed_experts"], s["hidden"], s["moe_intermediate"], s["top_k"]
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen) / H**0.5
+        w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=gen) / I**0.5
+        x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+        tw, ids = make_routing(tokens, E, K, "uniform", gen)
+        fn = lambda: fused_moe_triton(x, w13, w2, tw, ids)  # noqa: E731
+        graph_ms, _ = graph_time(fn, rep_ms=40)
+        flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                flush.zero_()
+                fn()
+            torch.cuda.synchronize()
+        kernels = {}
+        for ev in prof.key_averages():
+            if ev.key.startswith("_moe_"):
+                kernels[ev.key] = ev.device_time_total / calls / 1e3  # ms per call
+        fl = floor_of(tokens, H, I, K, ids)
+        results.append(dict(shape=name, tokens=tokens, graph_ms=graph_ms, kernels_ms=kernels,
+                            floor_ms=fl["floor_ms"], flops=fl["flops"]))
+        parts = ", ".join(f"{k.removeprefix('_moe_').removesuffix('_kernel')} {v:.3f}" for k, v in kernels.items())
+        log(f"PROFILE {name:16s} T={tokens:5d} graph {graph_ms:.3f} ms = {graph_ms / fl['floor_ms']:.2f}x floor; "
+            f"kernels (ms/call): {parts}; sum {sum(kernels.values()):.3f}")
+        del w13, w2, flush
+        torch.cuda.empty_cache()
+    return results
+
+
 # ---------------------------------------------------------------------------------- reports
 
 
@@ -572,6 +613,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep-repeats", type=int, default=1, help="time the sweep's variants this many times, interleaved")
     p.add_argument("--sweep-points", nargs="*", metavar="SHAPE:TOKENS", default=None,
                    help="the sweep's (shape, tokens) points (default: " + " ".join(f"{s}:{t}" for s, t in SWEEP_POINTS) + ")")
+    p.add_argument("--profile", nargs="*", metavar="SHAPE:TOKENS", default=None,
+                   help="instead: each kittens kernel's device time per call (torch.profiler) at these points")
     p.add_argument("--fp8", action="store_true",
                    help="block-FP8 experts (default shapes DeepSeek-V3,Kimi-K2; results layer_bench_fp8.*)")
     args = p.parse_args(argv)
@@ -606,6 +649,11 @@ def main(argv: list[str] | None = None) -> int:
         peak_flops=PEAK_FLOPS, peak_bytes=PEAK_BYTES,
     )
     t0 = time.time()
+    if args.profile:
+        points = [(pt.rsplit(":", 1)[0], int(pt.rsplit(":", 1)[1])) for pt in args.profile]
+        res = profile(shapes, points, args.seed, log)
+        (out / f"{args.name}_profile.json").write_text(json.dumps(dict(meta=meta, results=res), indent=1))
+        return 0
     if args.sweep:
         points = SWEEP_POINTS
         if args.sweep_points:
