@@ -454,10 +454,13 @@ def sweep(shapes, points, seed, log, labels=None, repeats=1):
 def profile(shapes, points, seed, log, calls=10):
     """Where one kittens call's time goes, at each (shape, tokens) point (uniform routing): each
     kernel's mean device time per call under ``torch.profiler`` (eager calls, L2 flushed before
-    each), beside the call's CUDA-graph replay time. Returns one dict per point."""
+    each), beside the call's CUDA-graph replay time. The profiled calls launch the ordinary way:
+    with programmatic dependent launch a kernel starts early and waits for the previous one, and
+    its time would include that wait. Returns one dict per point."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
+    from mok_serve.kernels import triton_moe
     from mok_serve.kernels.triton_moe import fused_moe_triton
 
     results = []
@@ -472,11 +475,16 @@ def profile(shapes, points, seed, log, calls=10):
         fn = lambda: fused_moe_triton(x, w13, w2, tw, ids)  # noqa: E731
         graph_ms, _ = graph_time(fn, rep_ms=40)
         flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(calls):
-                flush.zero_()
-                fn()
-            torch.cuda.synchronize()
+        triton_moe.PDL = False
+        try:
+            fn()
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(calls):
+                    flush.zero_()
+                    fn()
+                torch.cuda.synchronize()
+        finally:
+            triton_moe.PDL = True
         kernels = {}
         for ev in prof.key_averages():
             if ev.key.startswith("_moe_"):
