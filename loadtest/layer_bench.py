@@ -374,8 +374,7 @@ def sweep_variants(tokens, top_k, E, H, I):
             ("s4", v(d1, num_stages=4), v(d2, num_stages=4)),
             ("g1 s4", v(d1, num_stages=4), d2),
             ("g2 n128 s4", d1, v(d2, BLOCK_N=128, num_stages=4)),
-            ("half tail", v(d1, HALF_TAIL=True), v(d2, HALF_TAIL=True)),
-            ("g1 half tail", v(d1, HALF_TAIL=True), d2),
+            ("no half tail", v(d1, HALF_TAIL=False), v(d2, HALF_TAIL=False)),
         ]
     else:
         bn1, bn2 = d1["BLOCK_N"], d2["BLOCK_N"]
