@@ -10,8 +10,7 @@ Computes the function of ``fp8.fused_moe_fp8_reference`` with the structure of `
    (K=8, 16 column tiles) -- and halves GEMM1's A-gather bytes; the quantize programs run beside
    the latency-bound schedule programs, so it costs no extra launch.
 2. ``_fp8_gemm1_kernel`` -- grouped GEMM over ``w13``: A rows gathered from ``xq`` by token index,
-   a column tile's gate rows then its up rows of w13 as one ``[128, 2*128]`` B tile (one TMA box),
-   and per 128-wide K block
+   gate and up rows interleaved into one ``[128, 2*128]`` B tile, and per 128-wide K block
    ``acc += dot(a, b) * xs[row] * w13_scale[col block]`` (the fp8 partial products of one K block
    are scaled in fp32 before they join the accumulator; the tensor core only ever sums 128
    products). Epilogue: gate/up rounded to the input dtype, ``silu(gate) * up`` rounded to the input
@@ -49,7 +48,6 @@ from .triton_moe import (
     _moe_schedule_kernel,
     _scatter_rows,
     _tile_rows,
-    _tma_ok,
     launch_combine,
     launch_schedule,
     pdl_launch,
@@ -138,12 +136,12 @@ def _fp8_schedule_quantize_kernel(
 
 @triton.jit
 def _fp8_gemm1_kernel(
-    xq_ptr, xs_ptr, w_ptr, w_desc, ws_ptr, actq_ptr, acts_ptr, sorted_rows_ptr, counts_ptr,
+    xq_ptr, xs_ptr, w_ptr, ws_ptr, actq_ptr, acts_ptr, sorted_rows_ptr, counts_ptr,
     num_local, H, I, num_m,
     stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     IN_DTYPE: tl.constexpr, TOPK: tl.constexpr, E_PAD: tl.constexpr, SCALE_BN: tl.constexpr,
     BLOCK_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, GROUP_M: tl.constexpr,
-    USE_TMA: tl.constexpr, RNE_FIX: tl.constexpr, PDL: tl.constexpr,
+    RNE_FIX: tl.constexpr, PDL: tl.constexpr,
 ):
     _grid_dependency(PDL)
     in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
@@ -153,12 +151,11 @@ def _fp8_gemm1_kernel(
         offs_m, row_ok, rows = _tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
         tok = (rows // TOPK).to(tl.int64)
         offs_k = tl.arange(0, _GROUP)
-        # The B tile holds this column tile's gate rows of w13, then its up rows (one dot for both;
-        # with USE_TMA one box of w13 viewed as [E, 2, I, H], as in triton_moe's GEMM1).
+        # Columns of the B tile interleave gate row n and up row I + n of w13 (one dot for both).
         offs_j = tl.arange(0, 2 * _GROUP)
-        n_j = pid_n * _GROUP + offs_j % _GROUP
+        n_j = pid_n * _GROUP + offs_j // 2
         nj_ok = n_j < I
-        w_row = n_j + (offs_j // _GROUP) * I
+        w_row = n_j + (offs_j % 2) * I
         e64 = e.to(tl.int64)
         a_ptrs = xq_ptr + tok[:, None] * H + offs_k[None, :]
         as_ptrs = xs_ptr + tok * tl.cdiv(H, _GROUP)
@@ -166,21 +163,14 @@ def _fp8_gemm1_kernel(
         ws_ptrs = ws_ptr + e64 * stride_se + (w_row // SCALE_BN) * stride_sn
         acc = tl.zeros([BLOCK_M, 2 * _GROUP], dtype=tl.float32)
         for kb in range(0, tl.cdiv(H, _GROUP)):
-            if USE_TMA:
-                if EVEN_K:
-                    a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                else:
-                    a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k < H - kb * _GROUP)[None, :], other=0.0)
-                b = w_desc.load([e, 0, pid_n * _GROUP, kb * _GROUP]).reshape(2 * _GROUP, _GROUP).T
-            else:
-                a, b = _load_gate_up_tiles(a_ptrs, w_ptrs, row_ok, nj_ok, offs_k < H - kb * _GROUP, EVEN_K, EVEN_N)
+            a, b = _load_gate_up_tiles(a_ptrs, w_ptrs, row_ok, nj_ok, offs_k < H - kb * _GROUP, EVEN_K, EVEN_N)
             sa = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
             sb = tl.load(ws_ptrs + kb * stride_sk, mask=nj_ok, other=0.0)
             acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
             a_ptrs += _GROUP
             w_ptrs += _GROUP * stride_wk
         # Same rounding points as the reference: gate/up, then SiLU*up, in the input dtype.
-        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, _GROUP]), [0, 2, 1]))
+        acc_g, acc_u = tl.split(tl.reshape(acc, [BLOCK_M, _GROUP, 2]))
         gate = _cast(acc_g, IN_DTYPE, RNE_FIX).to(tl.float32)
         up = _cast(acc_u, IN_DTYPE, RNE_FIX).to(tl.float32)
         h = _cast(gate / (1.0 + tl.exp(-gate)) * up, IN_DTYPE, RNE_FIX).to(tl.float32)
@@ -284,10 +274,10 @@ def pick_configs_fp8(tokens: int, top_k: int, num_local: int, hidden: int, inter
         bn2 = 128
         while bn2 > 32 and busy * triton.cdiv(hidden, bn2) < 264:
             bn2 //= 2
-        g1 = dict(BLOCK_M=64, num_warps=8, num_stages=4, USE_TMA=True, GROUP_M=1)
+        g1 = dict(BLOCK_M=64, num_warps=8, num_stages=4, GROUP_M=1)
         g2 = dict(BLOCK_M=64, BLOCK_N=bn2, num_warps=4, num_stages=5, USE_TMA=True, GROUP_M=1)
     else:
-        g1 = dict(BLOCK_M=64, num_warps=8, num_stages=3, USE_TMA=True, GROUP_M=4)
+        g1 = dict(BLOCK_M=64, num_warps=8, num_stages=3, GROUP_M=4)
         g2 = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4, USE_TMA=True, GROUP_M=4)
     return g1, g2
 
@@ -350,16 +340,11 @@ def launch_fp8_gemm1(
     ``act_s[i]``. ``config`` is GEMM1's entry of ``pick_configs_fp8``; ``w13`` has >= 1 expert."""
     num_local, two_i, hidden = w13.shape
     inter = two_i // 2
-    g = _gemm_config(config, act_q, interpret, GROUP_M=1)
-    w13_desc = w13
-    if g["USE_TMA"]:
-        if _tma_ok(w13):
-            w13_desc = _descriptor(w13.view(num_local, 2, inter, hidden), [1, 2, GROUP, GROUP])
-        else:
-            g["USE_TMA"] = False
+    g = dict(config)
+    g.setdefault("GROUP_M", 1)
     num_m = _max_row_tiles(rows, num_local, g["BLOCK_M"])
     _fp8_gemm1_kernel[(num_m * triton.cdiv(inter, GROUP),)](
-        xq, xs, w13, w13_desc, w13_scale, act_q, act_s, sorted_rows, counts,
+        xq, xs, w13, w13_scale, act_q, act_s, sorted_rows, counts,
         num_local, hidden, inter, num_m,
         w13.stride(0), w13.stride(1), w13.stride(2), w13_scale.stride(0), w13_scale.stride(1), w13_scale.stride(2),
         IN_DTYPE=_TL_DTYPES[in_dtype], TOPK=top_k, E_PAD=_e_pad(num_local), SCALE_BN=scale_bn,
@@ -392,7 +377,8 @@ def launch_fp8_gemm2(
     bn = g["BLOCK_N"]
     w2_desc = w2
     if g["USE_TMA"]:
-        if _tma_ok(w2):
+        # TMA needs contiguous weights and 16-byte aligned rows.
+        if w2.is_contiguous() and inter % 16 == 0:
             w2_desc = _descriptor(w2.view(num_local * hidden, inter), [bn, GROUP])
         else:
             g["USE_TMA"] = False

@@ -58,12 +58,11 @@ for tokens in (1, 4096):
     g1, g2 = tf.pick_configs_fp8(tokens, K, E, H, I)
     build(f"gemm1_T{tokens}", tf._fp8_gemm1_kernel,
           dict(xq_ptr=ptr("fp8e4nv"), xs_ptr=ptr("fp32"), w_ptr=ptr("fp8e4nv"), ws_ptr=ptr("fp32"),
-               w_desc="tensordesc<fp8e4nv[1, 2, 128, 128]>",
                actq_ptr=ptr("fp8e4nv"), acts_ptr=ptr("fp32"), sorted_rows_ptr=ptr("i32"), counts_ptr=ptr("i32")),
           dict(num_local=E, H=H, I=I, num_m=1000, stride_we=2 * I * H, stride_wn=H, stride_wk=1,
                stride_se=32 * 56, stride_sn=56, stride_sk=1),
           dict(IN_DTYPE=tl.bfloat16, TOPK=K, E_PAD=E, SCALE_BN=128, BLOCK_M=g1["BLOCK_M"], EVEN_K=True,
-               EVEN_N=True, GROUP_M=g1["GROUP_M"], USE_TMA=True, RNE_FIX=False, PDL=True),
+               EVEN_N=True, GROUP_M=g1["GROUP_M"], RNE_FIX=False, PDL=True),
           g1["num_warps"], g1["num_stages"])
     build(f"gemm2_T{tokens}", tf._fp8_gemm2_kernel,
           dict(actq_ptr=ptr("fp8e4nv"), acts_ptr=ptr("fp32"), w_ptr=ptr("fp8e4nv"), ws_ptr=ptr("fp32"),
