@@ -561,7 +561,7 @@ def pdl_launch(t: torch.Tensor) -> dict:
 def _gemm_config(config: dict, act: torch.Tensor, interpret: bool, **defaults) -> dict:
     """A copy of a ``pick_configs`` entry with its defaults filled in. TMA needs compiled code,
     contiguous weights and 16-byte aligned rows: it stays off under the interpreter, off the GPU
-    and for fp32 data here, and the launchers turn it off for non-contiguous weights."""
+    and for fp32 data here, and the launchers turn it off for weights ``_tma_ok`` rejects."""
     g = dict(config)
     for key, value in defaults.items():
         g.setdefault(key, value)
