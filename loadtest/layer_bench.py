@@ -58,6 +58,18 @@ def load_shapes() -> dict:
 # ---------------------------------------------------------------------------------- inputs
 
 
+def random_experts(E, H, I, gen):
+    """bf16 expert weights ``(w13 [E, 2I, H], w2 [E, H, I])``, unit-variance outputs, drawn from ``gen``."""
+    w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen) / H**0.5
+    w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=gen) / I**0.5
+    return w13, w2
+
+
+def parse_points(points):
+    """``["SHAPE:TOKENS", ...]`` -> ``[(shape, tokens), ...]`` (shape names may contain ':')."""
+    return [(pt.rsplit(":", 1)[0], int(pt.rsplit(":", 1)[1])) for pt in points]
+
+
 def make_routing(tokens, experts, top_k, routing, gen, device="cuda"):
     ids = torch.rand(tokens, experts, device=device, generator=gen).argsort(dim=1)[:, :top_k]
     if routing == "skewed":
@@ -220,8 +232,7 @@ def bench_rows(shapes, tokens_list, routings, seed, log, on_row=None):
     for name, s in shapes.items():
         E, H, I, K = s["routed_experts"], s["hidden"], s["moe_intermediate"], s["top_k"]
         gen = torch.Generator(device="cuda").manual_seed(seed)
-        w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen) / H**0.5
-        w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=gen) / I**0.5
+        w13, w2 = random_experts(E, H, I, gen)
         hf = transformers_experts(w13, w2)
         for tokens in tokens_list:
             for routing in routings:
@@ -406,8 +417,7 @@ def sweep(shapes, points, seed, log, labels=None, repeats=1):
         s = shapes[name]
         E, H, I, K = s["routed_experts"], s["hidden"], s["moe_intermediate"], s["top_k"]
         gen = torch.Generator(device="cuda").manual_seed(seed)
-        w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen) / H**0.5
-        w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=gen) / I**0.5
+        w13, w2 = random_experts(E, H, I, gen)
         for tokens in toks:
             x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, generator=gen)
             tw, ids = make_routing(tokens, E, K, "uniform", gen)
@@ -467,8 +477,7 @@ def profile(shapes, points, seed, log, calls=10):
         s = shapes[name]
         E, H, I, K = s["routed_experts"], s["hidden"], s["moe_intermediate"], s["top_k"]
         gen = torch.Generator(device="cuda").manual_seed(seed)
-        w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen) / H**0.5
-        w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=gen) / I**0.5
+        w13, w2 = random_experts(E, H, I, gen)
         x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, generator=gen)
         tw, ids = make_routing(tokens, E, K, "uniform", gen)
         fn = lambda: fused_moe_triton(x, w13, w2, tw, ids)  # noqa: E731
@@ -657,14 +666,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     t0 = time.time()
     if args.profile:
-        points = [(pt.rsplit(":", 1)[0], int(pt.rsplit(":", 1)[1])) for pt in args.profile]
-        res = profile(shapes, points, args.seed, log)
+        res = profile(shapes, parse_points(args.profile), args.seed, log)
         (out / f"{args.name}_profile.json").write_text(json.dumps(dict(meta=meta, results=res), indent=1))
         return 0
     if args.sweep:
         points = SWEEP_POINTS
         if args.sweep_points:
-            points = [(pt.rsplit(":", 1)[0], int(pt.rsplit(":", 1)[1])) for pt in args.sweep_points]
+            points = parse_points(args.sweep_points)
         res = sweep(shapes, [pt for pt in points if pt[0] in shapes], args.seed, log,
                     labels=args.sweep_labels, repeats=args.sweep_repeats)
         (out / f"{args.name}_sweep.json").write_text(json.dumps(dict(meta=meta, results=res), indent=1))
