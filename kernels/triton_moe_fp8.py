@@ -48,6 +48,7 @@ from .triton_moe import (
     _moe_schedule_kernel,
     _scatter_rows,
     _tile_rows,
+    _tma_ok,
     launch_combine,
     launch_schedule,
     pdl_launch,
@@ -377,8 +378,7 @@ def launch_fp8_gemm2(
     bn = g["BLOCK_N"]
     w2_desc = w2
     if g["USE_TMA"]:
-        # TMA needs contiguous weights and 16-byte aligned rows.
-        if w2.is_contiguous() and inter % 16 == 0:
+        if _tma_ok(w2):
             w2_desc = _descriptor(w2.view(num_local * hidden, inter), [bn, GROUP])
         else:
             g["USE_TMA"] = False
