@@ -219,19 +219,28 @@ def _scatter_rows(acc, rows, row_ok, offs_n, n_ok, y_ptr, H, RNE_FIX: tl.constex
 
 
 @triton.jit
-def _load_gate_up_tiles(a_ptrs, w_ptrs, row_ok, nj_ok, k_ok, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
-    """GEMM1's A tile (gathered rows) and its fused gate/up B tile, zero where a row, a column or
-    (``k_ok``, only read when not ``EVEN_K``) the K range runs out. Shared with the FP8 GEMM1."""
+def _load_rows(ptrs, row_ok, k_ok, EVEN_K: tl.constexpr):
+    """A [rows, BLOCK_K] A tile: zero in rows past the expert's count and (``k_ok``, only read when
+    not ``EVEN_K``) past the K range. Every GEMM here and in triton_moe_fp8.py loads A this way."""
     if EVEN_K:
-        a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-        if EVEN_N:
-            b = tl.load(w_ptrs)
-        else:
-            b = tl.load(w_ptrs, mask=nj_ok[None, :], other=0.0)
+        a = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
     else:
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=k_ok[:, None] & nj_ok[None, :], other=0.0)
-    return a, b
+        a = tl.load(ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    return a
+
+
+@triton.jit
+def _load_cols(ptrs, n_ok, k_ok, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    """A [BLOCK_K, columns] weight tile by pointer loads (where TMA is not used): zero past the
+    columns (``n_ok``) and the K range (``k_ok``), masks dropped where the shape is even."""
+    if EVEN_K:
+        if EVEN_N:
+            b = tl.load(ptrs)
+        else:
+            b = tl.load(ptrs, mask=n_ok[None, :], other=0.0)
+    else:
+        b = tl.load(ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+    return b
 
 
 @triton.jit
@@ -254,24 +263,23 @@ def _gemm1_tile(
     n_ok = offs_n < I
     # A rows gathered from hidden_states by token index (no permuted copy).
     a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
-    offs_j = tl.arange(0, 2 * BLOCK_N)
-    n_j = pid_n * BLOCK_N + offs_j % BLOCK_N
-    nj_ok = n_j < I
-    w_ptrs = (w_ptr + e.to(tl.int64) * stride_we + (n_j + (offs_j // BLOCK_N) * I)[None, :] * stride_wn
-              + offs_k[:, None] * stride_wk)
+    if not USE_TMA:
+        offs_j = tl.arange(0, 2 * BLOCK_N)
+        n_j = pid_n * BLOCK_N + offs_j % BLOCK_N
+        nj_ok = n_j < I
+        w_ptrs = (w_ptr + e.to(tl.int64) * stride_we + (n_j + (offs_j // BLOCK_N) * I)[None, :] * stride_wn
+                  + offs_k[:, None] * stride_wk)
     acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
+        k_ok = offs_k < H - k0
+        a = _load_rows(a_ptrs, row_ok, k_ok, EVEN_K)
         if USE_TMA:
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            else:
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k < H - k0)[None, :], other=0.0)
             b = w_desc.load([e, 0, pid_n * BLOCK_N, k0]).reshape(2 * BLOCK_N, BLOCK_K).T
         else:
-            a, b = _load_gate_up_tiles(a_ptrs, w_ptrs, row_ok, nj_ok, offs_k < H - k0, EVEN_K, EVEN_N)
+            b = _load_cols(w_ptrs, nj_ok, k_ok, EVEN_K, EVEN_N)
+            w_ptrs += BLOCK_K * stride_wk
         acc = _dot(a, b, acc, DOT_IEEE, DOT_F32)
         a_ptrs += BLOCK_K * stride_xh
-        w_ptrs += BLOCK_K * stride_wk
     acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
     # Same rounding points as the reference: gate/up in the input dtype, SiLU*up in fp32.
     out_ty = act_ptr.dtype.element_ty
@@ -350,27 +358,21 @@ def _gemm2_tile(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
     a_ptrs = act_ptr + (start_e + offs_m)[:, None].to(tl.int64) * I + offs_k[None, :]
-    w_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    row_w = e * H + pid_n * BLOCK_N  # row of w2 viewed as [E*H, I] (TMA path)
+    if USE_TMA:
+        row_w = e * H + pid_n * BLOCK_N  # row of w2 viewed as [E*H, I]
+    else:
+        w_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-        else:
-            k_ok = offs_k < I - k0
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        k_ok = offs_k < I - k0
+        a = _load_rows(a_ptrs, row_ok, k_ok, EVEN_K)
         if USE_TMA:
             b = w_desc.load([row_w, k0]).T
-        elif EVEN_K:
-            if EVEN_N:
-                b = tl.load(w_ptrs)
-            else:
-                b = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
         else:
-            b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            b = _load_cols(w_ptrs, n_ok, k_ok, EVEN_K, EVEN_N)
+            w_ptrs += BLOCK_K * stride_wk
         acc = _dot(a, b, acc, DOT_IEEE, DOT_F32)
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wk
     return acc, offs_n, n_ok
 
 

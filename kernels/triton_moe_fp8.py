@@ -43,7 +43,8 @@ from .triton_moe import (
     _grid_dependency,
     _interpreting,
     _layer_setup,
-    _load_gate_up_tiles,
+    _load_cols,
+    _load_rows,
     _max_row_tiles,
     _moe_schedule_kernel,
     _scatter_rows,
@@ -164,7 +165,9 @@ def _fp8_gemm1_kernel(
         ws_ptrs = ws_ptr + e64 * stride_se + (w_row // SCALE_BN) * stride_sn
         acc = tl.zeros([BLOCK_M, 2 * _GROUP], dtype=tl.float32)
         for kb in range(0, tl.cdiv(H, _GROUP)):
-            a, b = _load_gate_up_tiles(a_ptrs, w_ptrs, row_ok, nj_ok, offs_k < H - kb * _GROUP, EVEN_K, EVEN_N)
+            k_ok = offs_k < H - kb * _GROUP
+            a = _load_rows(a_ptrs, row_ok, k_ok, EVEN_K)
+            b = _load_cols(w_ptrs, nj_ok, k_ok, EVEN_K, EVEN_N)
             sa = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
             sb = tl.load(ws_ptrs + kb * stride_sk, mask=nj_ok, other=0.0)
             acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
@@ -199,32 +202,26 @@ def _fp8_gemm2_tile(
     src = (start_e + offs_m).to(tl.int64)
     a_ptrs = actq_ptr + src[:, None] * I + offs_k[None, :]
     as_ptrs = acts_ptr + src * tl.cdiv(I, _GROUP)
-    w_ptrs = w_ptr + e64 * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
     # (masked by n_ok: TMA tiles of the last expert reach past its scale rows)
     ws_ptrs = ws_ptr + e64 * stride_se + (offs_n // SCALE_BN) * stride_sn
-    row_w = e * H + pid_n * BLOCK_N  # row of w2 viewed as [E*H, I] (TMA path)
+    if USE_TMA:
+        row_w = e * H + pid_n * BLOCK_N  # row of w2 viewed as [E*H, I]
+    else:
+        w_ptrs = w_ptr + e64 * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kb in range(0, tl.cdiv(I, _GROUP)):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-        else:
-            k_ok = offs_k < I - kb * _GROUP
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        k_ok = offs_k < I - kb * _GROUP
+        a = _load_rows(a_ptrs, row_ok, k_ok, EVEN_K)
         if USE_TMA:
             # Rows past H spill into the next expert (masked at the store); past the tensor: zeros.
             b = w_desc.load([row_w, kb * _GROUP]).T
-        elif EVEN_K:
-            if EVEN_N:
-                b = tl.load(w_ptrs)
-            else:
-                b = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
         else:
-            b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            b = _load_cols(w_ptrs, n_ok, k_ok, EVEN_K, EVEN_N)
+            w_ptrs += _GROUP * stride_wk
         sa = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
         sb = tl.load(ws_ptrs + kb * stride_sk, mask=n_ok, other=0.0)
         acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
         a_ptrs += _GROUP
-        w_ptrs += _GROUP * stride_wk
     return acc, offs_n, n_ok
 
 
