@@ -386,6 +386,11 @@ def sweep_variants(tokens, top_k, E, H, I):
             ("g1 s4", v(d1, num_stages=4), d2),
             ("g2 n128 s4", d1, v(d2, BLOCK_N=128, num_stages=4)),
             ("no half tail", v(d1, HALF_TAIL=False), v(d2, HALF_TAIL=False)),
+            # 128x128 output tiles with 3 stages (~96 KB of shared memory, ~100 registers): two
+            # programs per SM, so one's prologue and epilogue overlap the other's main loop.
+            ("2/SM", v(d1, BLOCK_N=64, num_stages=3), v(d2, BLOCK_N=128, num_stages=3)),
+            ("g1 2/SM", v(d1, BLOCK_N=64, num_stages=3), d2),
+            ("g2 2/SM", d1, v(d2, BLOCK_N=128, num_stages=3)),
         ]
     else:
         bn1, bn2 = d1["BLOCK_N"], d2["BLOCK_N"]
