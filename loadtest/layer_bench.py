@@ -66,8 +66,17 @@ def random_experts(E, H, I, gen):
 
 
 def parse_points(points):
-    """``["SHAPE:TOKENS", ...]`` -> ``[(shape, tokens), ...]`` (shape names may contain ':')."""
-    return [(pt.rsplit(":", 1)[0], int(pt.rsplit(":", 1)[1])) for pt in points]
+    """``["SHAPE:TOKENS[:ROUTING]", ...]`` -> ``[(shape, tokens, routing), ...]``; routing
+    ``uniform`` unless named (shape names may contain ':')."""
+    out = []
+    for pt in points:
+        rest, last = pt.rsplit(":", 1)
+        routing = "uniform"
+        if last in ROUTINGS:
+            routing = last
+            rest, last = rest.rsplit(":", 1)
+        out.append((rest, int(last), routing))
+    return out
 
 
 def make_routing(tokens, experts, top_k, routing, gen, device="cuda"):
@@ -356,8 +365,8 @@ def judge(row):
 
 
 SWEEP_POINTS = [
-    ("DeepSeek-V3", 2048), ("DeepSeek-V3", 8192), ("Kimi-K2", 8192),
-    ("Qwen3-30B-A3B", 2048), ("Qwen3-30B-A3B", 8192),
+    ("DeepSeek-V3", 2048, "uniform"), ("DeepSeek-V3", 8192, "uniform"), ("Kimi-K2", 8192, "uniform"),
+    ("Qwen3-30B-A3B", 2048, "uniform"), ("Qwen3-30B-A3B", 8192, "uniform"),
 ]
 
 
@@ -408,24 +417,24 @@ def sweep_variants(tokens, top_k, E, H, I):
 
 
 def sweep(shapes, points, seed, log, labels=None, repeats=1):
-    """Time the ``sweep_variants`` (those named in ``labels``, default all) at each (shape, tokens)
-    point, the variants interleaved ``repeats`` times so that slow drift hits all of them alike."""
+    """Time the ``sweep_variants`` (those named in ``labels``, default all) at each (shape, tokens,
+    routing) point, the variants interleaved ``repeats`` times so that slow drift hits all of them alike."""
     from mok_serve.kernels import triton_moe
     from mok_serve.kernels.reference import fused_moe_reference
     from mok_serve.kernels.triton_moe import fused_moe_triton
 
     results = []
-    by_shape: dict[str, list[int]] = {}
-    for name, t in points:
-        by_shape.setdefault(name, []).append(t)
+    by_shape: dict[str, list[tuple[int, str]]] = {}
+    for name, t, routing in points:
+        by_shape.setdefault(name, []).append((t, routing))
     for name, toks in by_shape.items():
         s = shapes[name]
         E, H, I, K = s["routed_experts"], s["hidden"], s["moe_intermediate"], s["top_k"]
         gen = torch.Generator(device="cuda").manual_seed(seed)
         w13, w2 = random_experts(E, H, I, gen)
-        for tokens in toks:
+        for tokens, routing in toks:
             x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, generator=gen)
-            tw, ids = make_routing(tokens, E, K, "uniform", gen)
+            tw, ids = make_routing(tokens, E, K, routing, gen)
             fl = floor_of(tokens, H, I, K, ids)
             ref = fused_moe_reference(x, w13, w2, tw, ids)
             # Every variant must give the default's output bit for bit (batch invariance holds
@@ -443,30 +452,30 @@ def sweep(shapes, points, seed, log, labels=None, repeats=1):
                     bitwise = bool(torch.equal(got, default_out))
                     ms, how = graph_time(fn, rep_ms=40)
                 except Exception as exc:  # noqa: BLE001
-                    log(f"  {name} T={tokens} {label}: failed {type(exc).__name__}: {str(exc)[:200]}")
+                    log(f"  {name} T={tokens} {routing} {label}: failed {type(exc).__name__}: {str(exc)[:200]}")
                     continue
                 finally:
                     triton_moe.PDL = True
                 if how != "graph":
-                    log(f"  {name} T={tokens} {label}: timed eagerly")
-                results.append(dict(shape=name, tokens=tokens, label=label, g1=g1, g2=g2, ms=ms,
+                    log(f"  {name} T={tokens} {routing} {label}: timed eagerly")
+                results.append(dict(shape=name, tokens=tokens, routing=routing, label=label, g1=g1, g2=g2, ms=ms,
                                     floor_ms=fl["floor_ms"], err=err, bitwise_vs_default=bitwise, repeat=rep))
-                log(f"SWEEP {name:14s} T={tokens:5d} {label:28s} {ms:8.3f} ms x{ms / fl['floor_ms']:5.2f} err {err:.1e}"
+                log(f"SWEEP {name:14s} T={tokens:5d} {routing:7s} {label:28s} {ms:8.3f} ms x{ms / fl['floor_ms']:5.2f} err {err:.1e}"
                     f"{'' if bitwise else ' NOT BITWISE EQUAL TO DEFAULT'}")
         del w13, w2
         torch.cuda.empty_cache()
     if repeats > 1:
         groups: dict[tuple, list[float]] = {}
         for r in results:
-            groups.setdefault((r["shape"], r["tokens"], r["label"]), []).append(r["ms"])
-        for (name, tokens, label), times in groups.items():
-            log(f"MEDIAN {name:14s} T={tokens:5d} {label:28s} {statistics.median(times):8.3f} ms "
+            groups.setdefault((r["shape"], r["tokens"], r["routing"], r["label"]), []).append(r["ms"])
+        for (name, tokens, routing, label), times in groups.items():
+            log(f"MEDIAN {name:14s} T={tokens:5d} {routing:7s} {label:28s} {statistics.median(times):8.3f} ms "
                 f"(min {min(times):.3f}, max {max(times):.3f}, n {len(times)})")
     return results
 
 
 def profile(shapes, points, seed, log, calls=10):
-    """Where one kittens call's time goes, at each (shape, tokens) point (uniform routing): each
+    """Where one kittens call's time goes, at each (shape, tokens, routing) point: each
     kernel's mean device time per call under ``torch.profiler`` (eager calls, L2 flushed before
     each), beside the call's CUDA-graph replay time. The profiled calls launch the ordinary way:
     with programmatic dependent launch a kernel starts early and waits for the previous one, and
@@ -478,13 +487,13 @@ def profile(shapes, points, seed, log, calls=10):
     from mok_serve.kernels.triton_moe import fused_moe_triton
 
     results = []
-    for name, tokens in points:
+    for name, tokens, routing in points:
         s = shapes[name]
         E, H, I, K = s["routed_experts"], s["hidden"], s["moe_intermediate"], s["top_k"]
         gen = torch.Generator(device="cuda").manual_seed(seed)
         w13, w2 = random_experts(E, H, I, gen)
         x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, generator=gen)
-        tw, ids = make_routing(tokens, E, K, "uniform", gen)
+        tw, ids = make_routing(tokens, E, K, routing, gen)
         fn = lambda: fused_moe_triton(x, w13, w2, tw, ids)  # noqa: E731
         graph_ms, _ = graph_time(fn, rep_ms=40)
         flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
@@ -503,10 +512,10 @@ def profile(shapes, points, seed, log, calls=10):
             if ev.key.startswith("_moe_"):
                 kernels[ev.key] = ev.device_time_total / calls / 1e3  # ms per call
         fl = floor_of(tokens, H, I, K, ids)
-        results.append(dict(shape=name, tokens=tokens, graph_ms=graph_ms, kernels_ms=kernels,
+        results.append(dict(shape=name, tokens=tokens, routing=routing, graph_ms=graph_ms, kernels_ms=kernels,
                             floor_ms=fl["floor_ms"], flops=fl["flops"]))
         parts = ", ".join(f"{k.removeprefix('_moe_').removesuffix('_kernel')} {v:.3f}" for k, v in kernels.items())
-        log(f"PROFILE {name:16s} T={tokens:5d} graph {graph_ms:.3f} ms = {graph_ms / fl['floor_ms']:.2f}x floor; "
+        log(f"PROFILE {name:16s} T={tokens:5d} {routing:7s} graph {graph_ms:.3f} ms = {graph_ms / fl['floor_ms']:.2f}x floor; "
             f"kernels (ms/call): {parts}; sum {sum(kernels.values()):.3f}")
         del w13, w2, flush
         torch.cuda.empty_cache()
@@ -632,10 +641,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep-labels", nargs="*", metavar="LABEL", default=None,
                    help="only these variants of the sweep (default: all, e.g. 'default' 'no PDL' 's4')")
     p.add_argument("--sweep-repeats", type=int, default=1, help="time the sweep's variants this many times, interleaved")
-    p.add_argument("--sweep-points", nargs="*", metavar="SHAPE:TOKENS", default=None,
-                   help="the sweep's (shape, tokens) points (default: " + " ".join(f"{s}:{t}" for s, t in SWEEP_POINTS) + ")")
-    p.add_argument("--profile", nargs="*", metavar="SHAPE:TOKENS", default=None,
-                   help="instead: each kittens kernel's device time per call (torch.profiler) at these points")
+    p.add_argument("--sweep-points", nargs="*", metavar="SHAPE:TOKENS[:ROUTING]", default=None,
+                   help="the sweep's points, routing uniform unless ':skewed' follows (default: "
+                   + " ".join(f"{s}:{t}" for s, t, _ in SWEEP_POINTS) + ")")
+    p.add_argument("--profile", nargs="*", metavar="SHAPE:TOKENS[:ROUTING]", default=None,
+                   help="instead: each kittens kernel's device time per call (torch.profiler) at these points "
+                   "(routing as for --sweep-points)")
     p.add_argument("--fp8", action="store_true",
                    help="block-FP8 experts (default shapes DeepSeek-V3,Kimi-K2; results layer_bench_fp8.*)")
     args = p.parse_args(argv)

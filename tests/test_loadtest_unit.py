@@ -232,6 +232,17 @@ def test_layer_floor_counts_fp8_weight_bytes_and_rate():
     assert floor_of(8192, 7168, 2048, 8, many, 1.0, peak_flops=1.6e15)["floor_ms"] == 6.0 * 8192 * 8 * 7168 * 2048 / 1.6e15 * 1e3
 
 
+def test_layer_points_take_an_optional_routing():
+    from mok_serve.loadtest.layer_bench import parse_points
+
+    assert parse_points(["DeepSeek-V3:8192", "Qwen3-30B-A3B:2048:skewed", "odd:name:32:uniform", "odd:name:1"]) == [
+        ("DeepSeek-V3", 8192, "uniform"), ("Qwen3-30B-A3B", 2048, "skewed"),
+        ("odd:name", 32, "uniform"), ("odd:name", 1, "uniform"),
+    ]
+    with pytest.raises(ValueError):
+        parse_points(["DeepSeek-V3:8192:hot"])
+
+
 def _ep_run(world, rows, commit="abc1234"):
     meta = dict(world=world, gpu="NVIDIA H200", commit=commit, torch="x", time="t", fp8=False)
     out = []
