@@ -145,17 +145,12 @@ def _moe_schedule_kernel(
 
 
 @triton.jit
-def _tile_of(pid_m, counts_ptr, num_local, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, FAT_TAIL: tl.constexpr):
+def _tile_of(pid_m, counts_ptr, num_local, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
     """Map a row-tile id to (tiles in use, expert, first row inside the expert, rows of the
-    expert, expert's first position in the sorted order). Pure function of the counts.
-    ``FAT_TAIL``: an expert's last tile also takes up to ``BLOCK_M // 2`` rows beyond a full tile
-    (so an expert with 129-192 rows of 128-row tiles has one tile, not two)."""
+    expert, expert's first position in the sorted order). Pure function of the counts."""
     eo = tl.arange(0, E_PAD)
     cnt = tl.load(counts_ptr + eo, mask=eo < num_local, other=0)
-    if FAT_TAIL:
-        tiles = tl.where(cnt > 0, tl.maximum((cnt - BLOCK_M // 2 + BLOCK_M - 1) // BLOCK_M, 1), 0)
-    else:
-        tiles = (cnt + BLOCK_M - 1) // BLOCK_M
+    tiles = (cnt + BLOCK_M - 1) // BLOCK_M
     cum = tl.cumsum(tiles, axis=0)
     total = tl.sum(tiles, axis=0)
     e = tl.sum((cum <= pid_m).to(tl.int32), axis=0)
@@ -194,7 +189,7 @@ def _program_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _expert_tile(counts_ptr, num_local, num_m, N, BLOCK_N: tl.constexpr,
-                 E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, FAT_TAIL: tl.constexpr = False):
+                 E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
     """This program's tile of a grouped GEMM over the scheduled rows (``N`` columns in tiles of
     ``BLOCK_N``): (tile in use, column tile, expert, first row inside the expert, rows of the
     expert, expert's first sorted position). Shared by every GEMM kernel here, in
@@ -202,7 +197,7 @@ def _expert_tile(counts_ptr, num_local, num_m, N, BLOCK_N: tl.constexpr,
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _program_tile(pid, num_m, num_n, GROUP_M)
-    total, e, m0, count_e, start_e = _tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M, FAT_TAIL)
+    total, e, m0, count_e, start_e = _tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M)
     return pid_m < total, pid_n, e, m0, count_e, start_e
 
 
@@ -249,9 +244,42 @@ def _load_cols(ptrs, n_ok, k_ok, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
 
 
 @triton.jit
-def _silu_mul_store(acc, act_ptr, start_e, offs_m, row_ok, offs_n, n_ok, I,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):
-    """GEMM1 epilogue: the accumulator's gate and up halves, SiLU(gate) * up into ``act``'s rows."""
+def _gemm1_tile(
+    x_ptr, w_ptr, w_desc, act_ptr, tok, offs_m, row_ok, pid_n, e, start_e, H, I,
+    stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] tile of GEMM1 for expert ``e`` (A rows ``x[tok]``), SiLU(gate) * up
+    stored into ``act``. Shared with the expert-parallel GEMM1 that pulls its rows (ep_cuda.py).
+
+    The B tile is [BLOCK_K, 2*BLOCK_N]: this column tile's gate rows of ``w13`` then its up rows,
+    so a single dot (one wgmma chain of width 2*BLOCK_N) makes both; the epilogue splits the
+    accumulator in halves. With ``USE_TMA`` one TMA box of ``w13`` viewed as [E, 2, I, H] holds it
+    (past I or H: zero fill); else pointer loads."""
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < I
+    # A rows gathered from hidden_states by token index (no permuted copy).
+    a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
+    if not USE_TMA:
+        offs_j = tl.arange(0, 2 * BLOCK_N)
+        n_j = pid_n * BLOCK_N + offs_j % BLOCK_N
+        nj_ok = n_j < I
+        w_ptrs = (w_ptr + e.to(tl.int64) * stride_we + (n_j + (offs_j // BLOCK_N) * I)[None, :] * stride_wn
+                  + offs_k[:, None] * stride_wk)
+    acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_ok = offs_k < H - k0
+        a = _load_rows(a_ptrs, row_ok, k_ok, EVEN_K)
+        if USE_TMA:
+            b = w_desc.load([e, 0, pid_n * BLOCK_N, k0]).reshape(2 * BLOCK_N, BLOCK_K).T
+        else:
+            b = _load_cols(w_ptrs, nj_ok, k_ok, EVEN_K, EVEN_N)
+            w_ptrs += BLOCK_K * stride_wk
+        acc = _dot(a, b, acc, DOT_IEEE, DOT_F32)
+        a_ptrs += BLOCK_K * stride_xh
     acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
     # Same rounding points as the reference: gate/up in the input dtype, SiLU*up in fp32.
     out_ty = act_ptr.dtype.element_ty
@@ -263,55 +291,6 @@ def _silu_mul_store(acc, act_ptr, start_e, offs_m, row_ok, offs_n, n_ok, I,
 
 
 @triton.jit
-def _gemm1_tile(
-    x_ptr, w_ptr, w_desc, act_ptr, tok, offs_m, row_ok, pid_n, e, start_e, H, I,
-    stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-    USE_TMA: tl.constexpr, TAIL_M: tl.constexpr = 0, tail_tok=None, tail_offs_m=None, tail_ok=None,
-):
-    """One [BLOCK_M, BLOCK_N] tile of GEMM1 for expert ``e`` (A rows ``x[tok]``), SiLU(gate) * up
-    stored into ``act``. Shared with the expert-parallel GEMM1 that pulls its rows (ep_cuda.py).
-
-    The B tile is [BLOCK_K, 2*BLOCK_N]: this column tile's gate rows of ``w13`` then its up rows,
-    so a single dot (one wgmma chain of width 2*BLOCK_N) makes both; the epilogue splits the
-    accumulator in halves. With ``USE_TMA`` one TMA box of ``w13`` viewed as [E, 2, I, H] holds it
-    (past I or H: zero fill); else pointer loads. ``TAIL_M > 0``: a second block of ``TAIL_M``
-    rows (``tail_*``) multiplies the same B tiles, each read once for both blocks."""
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < I
-    # A rows gathered from hidden_states by token index (no permuted copy).
-    a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
-    acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
-    if TAIL_M > 0:
-        t_ptrs = x_ptr + tail_tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
-        acc_t = tl.zeros([TAIL_M, 2 * BLOCK_N], dtype=tl.float32)
-    if not USE_TMA:
-        offs_j = tl.arange(0, 2 * BLOCK_N)
-        n_j = pid_n * BLOCK_N + offs_j % BLOCK_N
-        nj_ok = n_j < I
-        w_ptrs = (w_ptr + e.to(tl.int64) * stride_we + (n_j + (offs_j // BLOCK_N) * I)[None, :] * stride_wn
-                  + offs_k[:, None] * stride_wk)
-    for k0 in range(0, H, BLOCK_K):
-        k_ok = offs_k < H - k0
-        a = _load_rows(a_ptrs, row_ok, k_ok, EVEN_K)
-        if USE_TMA:
-            b = w_desc.load([e, 0, pid_n * BLOCK_N, k0]).reshape(2 * BLOCK_N, BLOCK_K).T
-        else:
-            b = _load_cols(w_ptrs, nj_ok, k_ok, EVEN_K, EVEN_N)
-            w_ptrs += BLOCK_K * stride_wk
-        acc = _dot(a, b, acc, DOT_IEEE, DOT_F32)
-        a_ptrs += BLOCK_K * stride_xh
-        if TAIL_M > 0:
-            acc_t = _dot(_load_rows(t_ptrs, tail_ok, k_ok, EVEN_K), b, acc_t, DOT_IEEE, DOT_F32)
-            t_ptrs += BLOCK_K * stride_xh
-    _silu_mul_store(acc, act_ptr, start_e, offs_m, row_ok, offs_n, n_ok, I, BLOCK_M, BLOCK_N, DOT_F32)
-    if TAIL_M > 0:
-        _silu_mul_store(acc_t, act_ptr, start_e, tail_offs_m, tail_ok, offs_n, n_ok, I, TAIL_M, BLOCK_N, DOT_F32)
-
-
-@triton.jit
 def _moe_gemm1_kernel(
     x_ptr, w_ptr, w_desc, act_ptr, sorted_rows_ptr, counts_ptr,
     num_local, H, I, num_m,
@@ -319,50 +298,33 @@ def _moe_gemm1_kernel(
     TOPK: tl.constexpr, E_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-    USE_TMA: tl.constexpr, GROUP_M: tl.constexpr, HALF_TAIL: tl.constexpr, FAT_TAIL: tl.constexpr,
-    PDL: tl.constexpr,
+    USE_TMA: tl.constexpr, GROUP_M: tl.constexpr, HALF_TAIL: tl.constexpr, PDL: tl.constexpr,
 ):
     _grid_dependency(PDL)
     in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
-        counts_ptr, num_local, num_m, I, BLOCK_N, E_PAD, BLOCK_M, GROUP_M, FAT_TAIL
+        counts_ptr, num_local, num_m, I, BLOCK_N, E_PAD, BLOCK_M, GROUP_M
     )
     if in_use:
-        # An expert's last tile follows its rows (a row's result does not depend on the tile's
-        # height): HALF_TAIL runs it as a tile of BLOCK_M // 2 rows when that holds them (less
-        # padding); FAT_TAIL (only with HALF_TAIL) gives it up to BLOCK_M // 2 rows beyond a full
-        # tile as a second block on the same weight tiles, which come into shared memory once.
+        # HALF_TAIL: an expert's last tile, when half a tile holds its rows, runs as a tile of
+        # BLOCK_M // 2 rows (less padding; a row's result does not depend on the tile's height).
         if HALF_TAIL:
-            left = count_e - m0
-            if left <= BLOCK_M // 2:
+            if count_e - m0 <= BLOCK_M // 2:
                 _gemm1_rows(
                     x_ptr, w_ptr, w_desc, act_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
                     stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
-                    TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, 0,
+                    TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA,
                 )
-            elif FAT_TAIL:
-                if left > BLOCK_M:
-                    _gemm1_rows(
-                        x_ptr, w_ptr, w_desc, act_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
-                        stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
-                        TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, BLOCK_M // 2,
-                    )
-                else:
-                    _gemm1_rows(
-                        x_ptr, w_ptr, w_desc, act_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
-                        stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
-                        TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, 0,
-                    )
             else:
                 _gemm1_rows(
                     x_ptr, w_ptr, w_desc, act_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
                     stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
-                    TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, 0,
+                    TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA,
                 )
         else:
             _gemm1_rows(
                 x_ptr, w_ptr, w_desc, act_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
                 stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
-                TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, 0,
+                TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA,
             )
 
 
@@ -372,25 +334,14 @@ def _gemm1_rows(
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-    USE_TMA: tl.constexpr, TAIL_M: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
-    """GEMM1 on the rows ``m0 ..`` of expert ``e``: ``BLOCK_M`` of them, and ``TAIL_M`` more as
-    a second block when ``TAIL_M > 0``."""
     offs_m, row_ok, rows = _tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
-    if TAIL_M > 0:
-        offs_t, tail_ok, rows_t = _tile_rows(sorted_rows_ptr, m0 + BLOCK_M, count_e, start_e, TAIL_M)
-        _gemm1_tile(
-            x_ptr, w_ptr, w_desc, act_ptr, (rows // TOPK).to(tl.int64), offs_m, row_ok, pid_n, e, start_e, H, I,
-            stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
-            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA,
-            TAIL_M, (rows_t // TOPK).to(tl.int64), offs_t, tail_ok,
-        )
-    else:
-        _gemm1_tile(
-            x_ptr, w_ptr, w_desc, act_ptr, (rows // TOPK).to(tl.int64), offs_m, row_ok, pid_n, e, start_e, H, I,
-            stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
-            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA,
-        )
+    _gemm1_tile(
+        x_ptr, w_ptr, w_desc, act_ptr, (rows // TOPK).to(tl.int64), offs_m, row_ok, pid_n, e, start_e, H, I,
+        stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
+        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA,
+    )
 
 
 @triton.jit
@@ -675,10 +626,9 @@ def launch_gemm1(
     GEMM1 that pulls its rows), ``extra_args`` / ``extra_constexprs`` being its own ones."""
     num_local, two_i, hidden = w13.shape
     inter = two_i // 2
-    g = _gemm_config(config, act, interpret, GROUP_M=1, HALF_TAIL=False, FAT_TAIL=False)
+    g = _gemm_config(config, act, interpret, GROUP_M=1, HALF_TAIL=False)
     if kernel is not None:
         g.pop("HALF_TAIL")  # the expert-parallel kernels always run full tiles
-        g.pop("FAT_TAIL")
     bm, bn = g["BLOCK_M"], g["BLOCK_N"]
     w13_desc = w13
     if g["USE_TMA"]:

@@ -394,9 +394,7 @@ def sweep_variants(tokens, top_k, E, H, I):
             ("s4", v(d1, num_stages=4), v(d2, num_stages=4)),
             ("g1 s4", v(d1, num_stages=4), d2),
             ("g2 n128 s4", d1, v(d2, BLOCK_N=128, num_stages=4)),
-            ("no half tail", v(d1, HALF_TAIL=False, FAT_TAIL=False), v(d2, HALF_TAIL=False)),
-            ("g1 fat tail", v(d1, FAT_TAIL=True), d2),
-            ("g1 no fat tail", v(d1, FAT_TAIL=False), d2),
+            ("no half tail", v(d1, HALF_TAIL=False), v(d2, HALF_TAIL=False)),
             # 128x128 output tiles with 3 stages (~96 KB of shared memory, ~100 registers): two
             # programs per SM, so one's prologue and epilogue overlap the other's main loop.
             ("2/SM", v(d1, BLOCK_N=64, num_stages=3), v(d2, BLOCK_N=128, num_stages=3)),

@@ -102,21 +102,6 @@ def test_tile_configs_agree(cfg):
     assert rel_err(out, ref) <= TOL[torch.float32]
 
 
-@pytest.mark.parametrize("tokens,seed", [(80, 9), (140, 10)])
-def test_fat_last_tiles(tokens, seed):
-    # GEMM1 with FAT_TAIL: an expert's last 33-48 rows of 32-row tiles run as one tile of two row
-    # blocks (32 + 16) on the same weight tiles. These draws give experts 37, 48 (the boundary) and
-    # 45 rows, and (second tile fat) 65, 76, 73 and 66 rows.
-    x, w13, w2, weights, ids = make_inputs(tokens, 48, 24, 4, 2, torch.float32, seed=seed)
-    counts = torch.bincount(ids.reshape(-1).long(), minlength=4)
-    assert any(c > 32 and 1 <= c % 32 <= 16 for c in counts.tolist())
-    g1 = dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=32, HALF_TAIL=True, FAT_TAIL=True, num_warps=4, num_stages=2)
-    g2 = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, HALF_TAIL=True, num_warps=4, num_stages=2)
-    out = tm.fused_moe_triton(x, w13, w2, weights, ids, _configs=(g1, g2))
-    ref = fused_moe_reference(x, w13, w2, weights, ids)
-    assert rel_err(out, ref) <= TOL[torch.float32]
-
-
 def test_out_of_range_ids_raise_eagerly_and_are_masked_in_kernels(monkeypatch):
     x, w13, w2, weights, ids = make_inputs(4, 32, 16, 4, 2, torch.float32, seed=1)
     bad = ids.clone()
