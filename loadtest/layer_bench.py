@@ -43,6 +43,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from .gpu_clocks import ClockSampler
+
 PEAK_FLOPS = 790e12
 PEAK_BYTES = 4.4e12
 TOKENS = (1, 8, 32, 128, 512, 2048, 8192)
@@ -184,6 +186,13 @@ def fp8_rate():
 # ---------------------------------------------------------------------------------- timing
 
 
+def clock_text(clock: dict | None) -> str:
+    """A timing's clock summary (``ClockSampler.summary``) as ``1410 MHz (cap 92%)``; ``-`` without."""
+    if not clock:
+        return "-"
+    return f"{clock['sm_mhz']:.0f} MHz (cap {clock['power_capped']:.0%})"
+
+
 def graph_time(fn, warmup_ms=10, rep_ms=60):
     """Capture ``fn`` in a CUDA graph and time replays (median ms, L2 flushed); eager if capture fails."""
     import triton.testing
@@ -210,6 +219,17 @@ def graph_time(fn, warmup_ms=10, rep_ms=60):
         return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"), "eager"
 
 
+def time_impls(impls: dict, clocks: ClockSampler):
+    """``graph_time`` of each implementation, in order: (ms, how it was timed, clock summary while
+    it was timed), each a dict by name."""
+    times, modes, clock = {}, {}, {}
+    for k, f in impls.items():
+        t0 = time.monotonic()
+        times[k], modes[k] = graph_time(f)
+        clock[k] = clocks.summary(t0, time.monotonic())
+    return times, modes, clock
+
+
 def read_bandwidth():
     """HBM read rate of a plain reduction over 4 GiB (TB/s), for the record."""
     import triton.testing
@@ -234,7 +254,7 @@ def rel_err(out, ref):
 # ---------------------------------------------------------------------------------- runs
 
 
-def bench_rows(shapes, tokens_list, routings, seed, log, on_row=None):
+def bench_rows(shapes, tokens_list, routings, seed, log, clocks, on_row=None):
     from mok_serve.kernels import fused_moe, fused_moe_reference
 
     rows = []
@@ -256,15 +276,13 @@ def bench_rows(shapes, tokens_list, routings, seed, log, on_row=None):
                 with torch.no_grad():
                     ref = fused_moe_reference(x, w13, w2, tw, ids)
                     errs = {k: rel_err(f(), ref) for k, f in impls.items()}
-                    times, modes = {}, {}
-                    for k, f in impls.items():
-                        times[k], modes[k] = graph_time(f)
+                    times, modes, clock = time_impls(impls, clocks)
                 torch.cuda.empty_cache()
                 best_base = min(times["torch"], times["transformers"])
                 row = dict(
                     shape=name, tokens=tokens, routing=routing, experts=E, hidden=H, inter=I, top_k=K,
                     kittens_ms=times["kittens"], torch_ms=times["torch"], transformers_ms=times["transformers"],
-                    timing={k: modes[k] for k in modes}, rel_err=errs, **fl,
+                    timing={k: modes[k] for k in modes}, clock=clock, rel_err=errs, **fl,
                 )
                 row["ratio_to_floor"] = row["kittens_ms"] / fl["floor_ms"]
                 row["speedup_vs_torch"] = times["torch"] / times["kittens"]
@@ -278,7 +296,7 @@ def bench_rows(shapes, tokens_list, routings, seed, log, on_row=None):
                     f"{fl['floor_ms']:7.3f} ({fl['bound']:7s}) x{row['ratio_to_floor']:5.2f}  torch "
                     f"{times['torch']:8.3f}  hf {times['transformers']:8.3f}  best/k x{row['speedup_vs_best_baseline']:5.2f}"
                     f"  err k={errs['kittens']:.1e} t={errs['torch']:.1e} hf={errs['transformers']:.1e}"
-                    f"  {'OK' if row['target_met'] else 'MISS: ' + row['target']}")
+                    f"  {clock_text(clock['kittens'])}  {'OK' if row['target_met'] else 'MISS: ' + row['target']}")
         del w13, w2, hf
         torch.cuda.empty_cache()
     return rows
@@ -294,7 +312,7 @@ def random_fp8_weights(experts, n, k, gen, chunk=16):
     return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
 
 
-def bench_rows_fp8(shapes, tokens_list, routings, seed, log, peak_fp8, on_row=None):
+def bench_rows_fp8(shapes, tokens_list, routings, seed, log, peak_fp8, clocks, on_row=None):
     from mok_serve.kernels import fused_moe_fp8, fused_moe_fp8_reference
 
     # Scales add 4 bytes per 128 x 128 block of weights.
@@ -318,14 +336,12 @@ def bench_rows_fp8(shapes, tokens_list, routings, seed, log, peak_fp8, on_row=No
                 with torch.no_grad():
                     ref = fused_moe_fp8_reference(x, w13q, w2q, w13s, w2s, tw, ids)
                     errs = {k: rel_err(f(), ref) for k, f in impls.items()}
-                    times, modes = {}, {}
-                    for k, f in impls.items():
-                        times[k], modes[k] = graph_time(f)
+                    times, modes, clock = time_impls(impls, clocks)
                 torch.cuda.empty_cache()
                 row = dict(
                     shape=name, quant="fp8 block 128x128", tokens=tokens, routing=routing, experts=E, hidden=H,
                     inter=I, top_k=K, kittens_ms=times["kittens"], dequant_torch_ms=times["dequant_torch"],
-                    timing=modes, rel_err=errs, **fl,
+                    timing=modes, clock=clock, rel_err=errs, **fl,
                 )
                 row["ratio_to_floor"] = row["kittens_ms"] / fl["floor_ms"]
                 row["speedup_vs_best_baseline"] = times["dequant_torch"] / times["kittens"]
@@ -336,7 +352,7 @@ def bench_rows_fp8(shapes, tokens_list, routings, seed, log, peak_fp8, on_row=No
                 log(f"FP8 {name:12s} T={tokens:5d} {routing:7s} kittens {times['kittens']:8.3f} ms  floor "
                     f"{fl['floor_ms']:7.3f} ({fl['bound']:7s}) x{row['ratio_to_floor']:5.2f}  dequant+torch "
                     f"{times['dequant_torch']:8.3f}  speedup x{row['speedup_vs_best_baseline']:6.1f}"
-                    f"  err k={errs['kittens']:.1e} base={errs['dequant_torch']:.1e}")
+                    f"  err k={errs['kittens']:.1e} base={errs['dequant_torch']:.1e}  {clock_text(clock['kittens'])}")
         del w13q, w13s, w2q, w2s, baseline, impls
         gc.collect()
         torch.cuda.empty_cache()
@@ -416,7 +432,7 @@ def sweep_variants(tokens, top_k, E, H, I):
     return out
 
 
-def sweep(shapes, points, seed, log, labels=None, repeats=1):
+def sweep(shapes, points, seed, log, clocks, labels=None, repeats=1):
     """Time the ``sweep_variants`` (those named in ``labels``, default all) at each (shape, tokens,
     routing) point, the variants interleaved ``repeats`` times so that slow drift hits all of them alike."""
     from mok_serve.kernels import triton_moe
@@ -450,7 +466,9 @@ def sweep(shapes, points, seed, log, labels=None, repeats=1):
                     got = fn()
                     err = rel_err(got, ref)
                     bitwise = bool(torch.equal(got, default_out))
+                    t0 = time.monotonic()
                     ms, how = graph_time(fn, rep_ms=40)
+                    clock = clocks.summary(t0, time.monotonic())
                 except Exception as exc:  # noqa: BLE001
                     log(f"  {name} T={tokens} {routing} {label}: failed {type(exc).__name__}: {str(exc)[:200]}")
                     continue
@@ -459,9 +477,10 @@ def sweep(shapes, points, seed, log, labels=None, repeats=1):
                 if how != "graph":
                     log(f"  {name} T={tokens} {routing} {label}: timed eagerly")
                 results.append(dict(shape=name, tokens=tokens, routing=routing, label=label, g1=g1, g2=g2, ms=ms,
-                                    floor_ms=fl["floor_ms"], err=err, bitwise_vs_default=bitwise, repeat=rep))
+                                    floor_ms=fl["floor_ms"], err=err, bitwise_vs_default=bitwise, repeat=rep,
+                                    clock=clock))
                 log(f"SWEEP {name:14s} T={tokens:5d} {routing:7s} {label:28s} {ms:8.3f} ms x{ms / fl['floor_ms']:5.2f} err {err:.1e}"
-                    f"{'' if bitwise else ' NOT BITWISE EQUAL TO DEFAULT'}")
+                    f" {clock_text(clock)}{'' if bitwise else ' NOT BITWISE EQUAL TO DEFAULT'}")
         del w13, w2
         torch.cuda.empty_cache()
     if repeats > 1:
@@ -525,6 +544,10 @@ def profile(shapes, points, seed, log, calls=10):
 # ---------------------------------------------------------------------------------- reports
 
 
+CLOCK_NOTE = ("SM clock: median of NVML's SM clock sampled every 5 ms while kittens was timed, and the share "
+              "of those samples with the software power cap active.")
+
+
 def write_markdown(meta, rows, path):
     lines = [
         f"# MoE layer benchmark, one {meta['gpu']}",
@@ -533,16 +556,17 @@ def write_markdown(meta, rows, path):
         f"transformers {meta['transformers']}. Timing: {meta['timing']}. Measured HBM read rate "
         f"(torch sum over 4 GiB): {meta['read_tb_s']:.2f} TB/s; floor uses {PEAK_BYTES / 1e12} TB/s and "
         f"{PEAK_FLOPS / 1e12:.0f} TFLOP/s. Skewed routing: half of all (token, k) assignments go to "
-        "expert 0 (duplicates within a token allowed).",
+        "expert 0 (duplicates within a token allowed). " + CLOCK_NOTE,
         "",
-        "| shape | tokens | routing | kittens ms | floor ms | bound | x floor | torch ms | transformers ms | "
-        "vs torch | vs transformers | target | met |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | tokens | routing | kittens ms | floor ms | bound | x floor | SM clock | torch ms | "
+        "transformers ms | vs torch | vs transformers | target | met |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['shape']} | {r['tokens']} | {r['routing']} | {r['kittens_ms']:.3f} | {r['floor_ms']:.3f} | "
-            f"{r['bound']} | {r['ratio_to_floor']:.2f} | {r['torch_ms']:.3f} | {r['transformers_ms']:.3f} | "
+            f"{r['bound']} | {r['ratio_to_floor']:.2f} | {clock_text((r.get('clock') or {}).get('kittens'))} | "
+            f"{r['torch_ms']:.3f} | {r['transformers_ms']:.3f} | "
             f"{r['speedup_vs_torch']:.2f}x | {r['speedup_vs_transformers']:.2f}x | {r['target']} | "
             f"{'yes' if r['target_met'] else '**no**'} |"
         )
@@ -563,15 +587,17 @@ def write_markdown_fp8(meta, rows, path):
         "bf16 (16 experts at a time) + the torch pipeline (argsort, gather, `torch._grouped_mm` x2). "
         f"`torch._scaled_grouped_mm` takes row-wise scales only, not 128 x 128 blocks, so it is not "
         "a baseline for this format. Correct = relative error norm <= 3e-2 against "
-        "`fused_moe_fp8_reference`.",
+        "`fused_moe_fp8_reference`. " + CLOCK_NOTE,
         "",
-        "| shape | tokens | routing | kittens ms | floor ms | bound | x floor | dequant+torch ms | speedup | rel err | correct |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | tokens | routing | kittens ms | floor ms | bound | x floor | SM clock | dequant+torch ms | speedup | "
+        "rel err | correct |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['shape']} | {r['tokens']} | {r['routing']} | {r['kittens_ms']:.3f} | {r['floor_ms']:.3f} | "
-            f"{r['bound']} | {r['ratio_to_floor']:.2f} | {r['dequant_torch_ms']:.3f} | "
+            f"{r['bound']} | {r['ratio_to_floor']:.2f} | {clock_text((r.get('clock') or {}).get('kittens'))} | "
+            f"{r['dequant_torch_ms']:.3f} | "
             f"{r['speedup_vs_best_baseline']:.1f}x | {r['rel_err']['kittens']:.1e} | {'yes' if r['correct'] else '**no**'} |"
         )
     path.write_text("\n".join(lines) + "\n")
@@ -680,6 +706,15 @@ def main(argv: list[str] | None = None) -> int:
         "before each replay)",
         peak_flops=PEAK_FLOPS, peak_bytes=PEAK_BYTES,
     )
+    clocks = ClockSampler.for_cuda_device(torch.cuda.current_device())
+    meta["clock_sampling"] = "NVML every 5 ms" if clocks.available else "unavailable"
+    try:
+        return run(args, shapes, meta, out, log, clocks)
+    finally:
+        clocks.stop()
+
+
+def run(args, shapes, meta, out, log, clocks) -> int:
     t0 = time.time()
     if args.profile:
         res = profile(shapes, parse_points(args.profile), args.seed, log)
@@ -689,13 +724,14 @@ def main(argv: list[str] | None = None) -> int:
         points = SWEEP_POINTS
         if args.sweep_points:
             points = parse_points(args.sweep_points)
-        res = sweep(shapes, [pt for pt in points if pt[0] in shapes], args.seed, log,
+        res = sweep(shapes, [pt for pt in points if pt[0] in shapes], args.seed, log, clocks,
                     labels=args.sweep_labels, repeats=args.sweep_repeats)
         (out / f"{args.name}_sweep.json").write_text(json.dumps(dict(meta=meta, results=res), indent=1))
         log(f"sweep done in {time.time() - t0:.0f} s")
         return 0
     meta["read_tb_s"] = read_bandwidth()
     log(f"GPU {meta['gpu']}, commit {meta['commit']}, HBM read {meta['read_tb_s']:.2f} TB/s")
+
     def partial(rows):  # keep what was measured if the run is cut short
         (out / f"{args.name}.json").write_text(json.dumps(dict(meta={**meta, "partial": True}, rows=rows), indent=1))
 
@@ -703,9 +739,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.fp8:
         meta["fp8_tflops"] = fp8_rate() / 1e12
         log(f"dense FP8 rate {meta['fp8_tflops']:.0f} TFLOP/s")
-        rows = bench_rows_fp8(shapes, tokens, args.routing.split(","), args.seed, log, meta["fp8_tflops"] * 1e12, partial)
+        rows = bench_rows_fp8(shapes, tokens, args.routing.split(","), args.seed, log, meta["fp8_tflops"] * 1e12, clocks,
+                              partial)
     else:
-        rows = bench_rows(shapes, tokens, args.routing.split(","), args.seed, log, partial)
+        rows = bench_rows(shapes, tokens, args.routing.split(","), args.seed, log, clocks, partial)
     meta["seconds"] = time.time() - t0
     (out / f"{args.name}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     (write_markdown_fp8 if args.fp8 else write_markdown)(meta, rows, out / f"{args.name}.md")

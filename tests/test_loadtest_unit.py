@@ -243,6 +243,44 @@ def test_layer_points_take_an_optional_routing():
         parse_points(["DeepSeek-V3:8192:hot"])
 
 
+def test_clock_sampler_summarises_its_window():
+    from mok_serve.loadtest.gpu_clocks import SW_POWER_CAP, ClockSampler
+
+    readings = iter([(1980.0, 150.0, 0)] * 5 + [(1410.0, 700.0, SW_POWER_CAP)] * 10_000)
+    sampler = ClockSampler(lambda: next(readings), period_s=0.001)
+    assert sampler.available
+    time.sleep(0.03)  # the five uncapped readings come first
+    t0 = time.monotonic()
+    time.sleep(0.05)
+    t1 = time.monotonic()
+    sampler.stop()
+    got = sampler.summary(t0, t1)
+    assert got["sm_mhz"] == 1410.0 and got["power_w"] == 700.0 and got["power_capped"] == 1.0 and got["samples"] > 5
+    assert sampler.summary(t1 + 10, t1 + 20) is None
+    whole = sampler.summary(0, t1)
+    assert 0 < whole["power_capped"] < 1  # both kinds of reading, in order
+    idle = ClockSampler(None)
+    assert not idle.available and idle.summary(0, time.monotonic()) is None
+    idle.stop()
+
+
+def test_layer_markdown_shows_the_clock_of_each_row(tmp_path):
+    from mok_serve.loadtest.layer_bench import clock_text, write_markdown
+
+    base = dict(shape="DeepSeek-V3", tokens=8192, routing="uniform", kittens_ms=12.6, floor_ms=7.31, bound="compute",
+                ratio_to_floor=1.72, torch_ms=18.2, transformers_ms=20.2, speedup_vs_torch=1.44,
+                speedup_vs_transformers=1.6, target="<= 1.25x floor (compute)", target_met=False)
+    rows = [{**base, "clock": {"kittens": dict(sm_mhz=1410.0, power_w=690.0, power_capped=0.92, samples=40)}},
+            {**base, "tokens": 2048, "clock": {"kittens": None}}]
+    meta = dict(gpu="NVIDIA H200", commit="abc1234", date="d", torch="t", triton="3.6.0", transformers="5",
+                timing="graphs", read_tb_s=4.28)
+    write_markdown(meta, rows, tmp_path / "t.md")
+    table = [line for line in (tmp_path / "t.md").read_text().splitlines() if line.startswith("| DeepSeek-V3")]
+    assert "| 1.72 | 1410 MHz (cap 92%) | 18.200 |" in table[0]
+    assert "| 1.72 | - | 18.200 |" in table[1]
+    assert clock_text(None) == "-"
+
+
 def _ep_run(world, rows, commit="abc1234"):
     meta = dict(world=world, gpu="NVIDIA H200", commit=commit, torch="x", time="t", fp8=False)
     out = []
