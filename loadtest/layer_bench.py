@@ -193,8 +193,9 @@ def clock_text(clock: dict | None) -> str:
     return f"{clock['sm_mhz']:.0f} MHz (cap {clock['power_capped']:.0%})"
 
 
-def graph_time(fn, warmup_ms=10, rep_ms=60):
-    """Capture ``fn`` in a CUDA graph and time replays (median ms, L2 flushed); eager if capture fails."""
+def graph_time(fn, clocks: ClockSampler | None = None, warmup_ms=10, rep_ms=60):
+    """Capture ``fn`` in a CUDA graph and time replays (median ms, L2 flushed); eager if capture fails.
+    Returns (ms, "graph" or "eager", ``clocks``' summary of the timed replays or ``None``)."""
     import triton.testing
 
     fn()
@@ -210,23 +211,23 @@ def graph_time(fn, warmup_ms=10, rep_ms=60):
             fn()
         graph.replay()
         torch.cuda.synchronize()
-        ms = triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")
-        del graph
-        return ms, "graph"
+        run, how = graph.replay, "graph"
     except Exception as exc:  # noqa: BLE001 - report and fall back to eager timing
         print(f"  capture failed ({type(exc).__name__}: {exc}); timing eagerly", flush=True)
         torch.cuda.synchronize()
-        return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"), "eager"
+        run, how = fn, "eager"
+    t0 = time.monotonic()
+    ms = triton.testing.do_bench(run, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    clock = clocks.summary(t0, time.monotonic()) if clocks is not None else None
+    return ms, how, clock
 
 
 def time_impls(impls: dict, clocks: ClockSampler):
-    """``graph_time`` of each implementation, in order: (ms, how it was timed, clock summary while
-    it was timed), each a dict by name."""
+    """``graph_time`` of each implementation, in order: (ms, how it was timed, clock summary of its
+    timed replays), each a dict by name."""
     times, modes, clock = {}, {}, {}
     for k, f in impls.items():
-        t0 = time.monotonic()
-        times[k], modes[k] = graph_time(f)
-        clock[k] = clocks.summary(t0, time.monotonic())
+        times[k], modes[k], clock[k] = graph_time(f, clocks)
     return times, modes, clock
 
 
@@ -466,9 +467,7 @@ def sweep(shapes, points, seed, log, clocks, labels=None, repeats=1):
                     got = fn()
                     err = rel_err(got, ref)
                     bitwise = bool(torch.equal(got, default_out))
-                    t0 = time.monotonic()
-                    ms, how = graph_time(fn, rep_ms=40)
-                    clock = clocks.summary(t0, time.monotonic())
+                    ms, how, clock = graph_time(fn, clocks, rep_ms=40)
                 except Exception as exc:  # noqa: BLE001
                     log(f"  {name} T={tokens} {routing} {label}: failed {type(exc).__name__}: {str(exc)[:200]}")
                     continue
@@ -514,7 +513,7 @@ def profile(shapes, points, seed, log, calls=10):
         x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, generator=gen)
         tw, ids = make_routing(tokens, E, K, routing, gen)
         fn = lambda: fused_moe_triton(x, w13, w2, tw, ids)  # noqa: E731
-        graph_ms, _ = graph_time(fn, rep_ms=40)
+        graph_ms, _, _ = graph_time(fn, rep_ms=40)
         flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
         triton_moe.PDL = False
         try:
@@ -544,8 +543,8 @@ def profile(shapes, points, seed, log, calls=10):
 # ---------------------------------------------------------------------------------- reports
 
 
-CLOCK_NOTE = ("SM clock: median of NVML's SM clock sampled every 5 ms while kittens was timed, and the share "
-              "of those samples with the software power cap active.")
+CLOCK_NOTE = ("SM clock: median of NVML's SM clock sampled every 5 ms during kittens' timed replays, and the "
+              "share of those samples with the software power cap active.")
 
 
 def write_markdown(meta, rows, path):
