@@ -14,6 +14,8 @@ Timing: each implementation is captured in a CUDA graph and the graph's replay i
 ``triton.testing.do_bench`` (median; do_bench clears the L2 cache before every replay, so weights
 are read from HBM as in a real model whose layers do not fit in L2). Floor = max(FLOPs / 790e12,
 bytes / 4.4e12) with bytes = weights of the experts actually touched + activations in and out.
+Beside each kittens time: the SM clock, power and power-cap share while it was timed
+(``gpu_clocks.ClockSampler``), because compute-bound rows run at the GPU's power limit.
 
 ``--fp8``: block-scaled FP8 experts (128 x 128 e4m3 weight blocks, 1 x 128 activation groups) for
 DeepSeek-V3 and Kimi-K2, as they ship: kittens' ``fused_moe_fp8`` against dequantize (in expert
@@ -283,7 +285,7 @@ def bench_rows(shapes, tokens_list, routings, seed, log, clocks, on_row=None):
                 row = dict(
                     shape=name, tokens=tokens, routing=routing, experts=E, hidden=H, inter=I, top_k=K,
                     kittens_ms=times["kittens"], torch_ms=times["torch"], transformers_ms=times["transformers"],
-                    timing={k: modes[k] for k in modes}, clock=clock, rel_err=errs, **fl,
+                    timing=modes, clock=clock, rel_err=errs, **fl,
                 )
                 row["ratio_to_floor"] = row["kittens_ms"] / fl["floor_ms"]
                 row["speedup_vs_torch"] = times["torch"] / times["kittens"]
