@@ -490,17 +490,28 @@ def pick_configs(tokens: int, top_k: int, num_local: int, hidden: int, inter: in
         # Weight streaming: fill 132 SMs at decode sizes with narrow column tiles.
         busy = max(1, min(rows, num_local))
         bn1 = 64
-        while bn1 > 16 and busy * triton.cdiv(inter, bn1) < 264:
+        while bn1 > 16 and busy * triton.cdiv(inter, bn1) < 2 * _SMS:
             bn1 //= 2
-        # Pipeline depth: with at most two tokens' experts busy the grid is a few hundred programs, and
-        # 5 stages keep the most weight bytes in flight per program; beyond, 4 stages fit more programs
-        # per SM (sweeps at d12e81a/c32df4d, loadtest/results/sweep_{decode,mid,stages}_*.json: 4 stages
-        # 1-7% faster than 5 at 8-128 tokens on all five shapes; at 1 token no depth wins everywhere).
-        stages = 5 if busy <= 2 * top_k else 4
-        # GEMM2 column tiles: with 5 stages one program per SM streams enough, and wider tiles are
-        # faster (interleaved sweep at b22b37b, sweep_g2n_b22b37b.json: 1-2 tokens, all five shapes,
-        # 0-12% faster than half as wide); with 4 stages, two programs per SM.
-        bn2, min_programs = (256, 132) if stages == 5 else (128, 264)
+        few = busy <= 2 * top_k  # at most two tokens' experts: a grid of a few hundred programs
+        if few:
+            # Pipeline depth sets how many programs share an SM, so how full GEMM1's last wave is;
+            # the deepest pipeline among those whose last wave is (nearly) the fullest. Sweep at
+            # 616d9e0 (sweep_decode_stages_616d9e0.log, 5 repeats, 1-2 tokens, five shapes): this
+            # picks the fastest of 3, 4 and 5 stages at all nine points (GLM-4.5 and Qwen3-235B-A22B
+            # 1 token, Qwen3-30B-A3B 2 tokens: 4 stages, 4-8% faster than 5; elsewhere 5).
+            programs = busy * triton.cdiv(inter, bn1)
+            stage_bytes = 2 * (64 * bk1 + 2 * bn1 * bk1)  # A tile + gate/up B tile, 2-byte elements
+            fill = {s: _last_wave_fill(programs, s * stage_bytes) for s in (5, 4, 3)}
+            stages = max(s for s in fill if fill[s] >= max(fill.values()) - 0.05)
+        else:
+            # Beyond, 4 stages fit more programs per SM (sweeps at d12e81a/c32df4d,
+            # loadtest/results/sweep_{decode,mid,stages}_*.json: 4 stages 1-7% faster than 5 at 8-128
+            # tokens on all five shapes).
+            stages = 4
+        # GEMM2 column tiles: with few experts busy one program per SM streams enough, and wider
+        # tiles are faster (interleaved sweep at b22b37b, sweep_g2n_b22b37b.json: 1-2 tokens, all
+        # five shapes, 0-12% faster than half as wide); beyond, two programs per SM.
+        bn2, min_programs = (256, _SMS) if few else (128, 2 * _SMS)
         while bn2 > 32 and busy * triton.cdiv(hidden, bn2) < min_programs:
             bn2 //= 2
         g1 = dict(BLOCK_M=64, BLOCK_N=bn1, BLOCK_K=bk1, num_warps=4, num_stages=stages, USE_TMA=True)
@@ -515,6 +526,16 @@ def pick_configs(tokens: int, top_k: int, num_local: int, hidden: int, inter: in
         g2 = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=bk2, num_warps=8, num_stages=stages, USE_TMA=True, GROUP_M=4,
                   HALF_TAIL=True)
     return g1, g2
+
+
+# Hopper as on the H100/H200 SXM: 132 SMs, 228 KB of shared memory per SM, 1 KB of it reserved per program.
+_SMS, _SMEM_PER_SM, _SMEM_RESERVED = 132, 228 * 1024, 1024
+
+
+def _last_wave_fill(programs: int, smem_per_program: int) -> float:
+    """How full the last wave of a grid is when shared memory alone limits programs per SM."""
+    slots = _SMS * max(1, _SMEM_PER_SM // (smem_per_program + _SMEM_RESERVED))
+    return programs / (triton.cdiv(programs, slots) * slots)
 
 
 def _max_row_tiles(rows: int, num_local: int, block_m: int) -> int:

@@ -129,6 +129,22 @@ def test_nan_stays_in_its_token():
     assert not torch.isnan(others).any()
 
 
+def test_decode_pipeline_depth_fills_the_last_wave():
+    # 384 programs of 80 KB (5 stages of 16 KB) fit 2 per SM: 264 slots, a last wave 45% full, so 73%
+    # of the two waves; at 4 stages 3 per SM hold all 384 in one wave (97%).
+    assert tm._last_wave_fill(384, 5 * 16384) == 384 / 528
+    assert tm._last_wave_fill(384, 4 * 16384) == 384 / 396
+    # The depths the sweep at 616d9e0 measured fastest (1-2 tokens; hidden, inter, experts, top-k).
+    for tokens, shape, stages in [
+        (1, (7168, 2048, 256, 8), 5), (2, (7168, 2048, 256, 8), 5), (1, (5120, 1536, 160, 8), 4),
+        (2, (5120, 1536, 160, 8), 5), (1, (4096, 1536, 128, 8), 4), (1, (2048, 768, 128, 8), 5),
+        (2, (2048, 768, 128, 8), 4),
+    ]:
+        hidden, inter, experts, top_k = shape
+        g1, g2 = tm.pick_configs(tokens, top_k, experts, hidden, inter)
+        assert g1["num_stages"] == g2["num_stages"] == stages, (tokens, shape)
+
+
 def test_pick_configs_static_and_wgmma_sized():
     for tokens in (1, 8, 32, 128, 512, 2048, 8192):
         for shape in ((7168, 2048, 256, 8), (2048, 768, 128, 8), (5120, 1536, 160, 8)):
