@@ -60,6 +60,8 @@ import traceback
 
 import torch
 
+from .gpu_clocks import ClockSampler, clock_text
+
 PEAK_FLOPS, PEAK_HBM, PEAK_NVLINK = 790e12, 4.4e12, 3.3e11
 TOKENS = (1, 32, 128, 512, 2048, 8192)
 ROUTINGS = ("uniform", "skewed")
@@ -280,6 +282,7 @@ def run_rank(rank, world, args):
 
     group = dist.group.WORLD
     shapes = load_shapes()
+    clocks = ClockSampler.for_cuda_device(rank)
     deadline = time.monotonic() + args.deadline_s
     out_rows = []
     log = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
@@ -405,7 +408,10 @@ def run_rank(rank, world, args):
                             log(f"  capture failed ({type(exc).__name__}: {exc}); eager")
                             fn, how = call, "eager"
                         fn()
+                        t0 = time.monotonic()
                         t, w = timed(fn, args.iters, group, extra=variant[0].wait_ns)
+                        if mode == "pull":  # the default's clock, as the layer benchmark records kittens'
+                            row["clock"] = clocks.summary(t0, time.monotonic())
                         times[f"kittens_{mode}"] = t
                         waits[mode] = [c for _, c in w]
                         impls[f"kittens_{mode}"] = how
@@ -436,6 +442,7 @@ def run_rank(rank, world, args):
         del w13, w2, experts, refresh
         gc.collect()
         torch.cuda.empty_cache()
+    clocks.stop()
     return out_rows
 
 
@@ -461,6 +468,8 @@ def summarize(per_rank):
     bound_t = max(terms, key=lambda t: t["floor_ms"])
     row["bound"] = max((("compute", bound_t["flops"] / bound_t.get("peak_flops", PEAK_FLOPS)), ("hbm", bound_t["hbm"] / PEAK_HBM),
                         ("nvlink", bound_t["nvlink"] / PEAK_NVLINK)), key=lambda p: p[1])[0]
+    ranks_clock = [r["clock"] for r in per_rank if r.get("clock")]
+    row["clock"] = min(ranks_clock, key=lambda c: c["sm_mhz"]) if ranks_clock else None  # the slowest rank's
     row["wait_us"] = {m: statistics.median([max(r["waits_ns"][m][i] for r in per_rank) for i in range(iters)]) / 1e3
                       for m in r0["waits_ns"]}
     row["rel_err_vs_a2a"] = {k: max(r["errs"][k] for r in per_rank) for k in r0["errs"] if k != "variants_equal"}
@@ -501,6 +510,10 @@ def format_row(r):
             f"err {r['rel_err_vs_a2a']['pull']:.1e} {'OK' if r['target_met'] else 'MISS ' + r['target']}")
 
 
+EP_CLOCK_NOTE = ("SM clock: the slowest rank's median SM clock (NVML, every 5 ms) while kittens pull was timed, "
+                 "and the share of those samples with the software power cap active.")
+
+
 def markdown(rows, meta):
     if meta.get("fp8"):
         head = [f"# Expert-parallel FP8 (block-scaled) layer benchmark ({meta['world']} x {meta['gpu']}, "
@@ -513,28 +526,28 @@ def markdown(rows, meta):
                 f"of max(FLOPs / {meta['fp8_tflops']:.0f} TFLOP/s (dense FP8 `torch._scaled_mm`, measured in this "
                 "run), HBM bytes / 4.4e12 with 1-byte weights + block scales, NVLink bytes in / 3.3e11 with pulled "
                 "rows of H + 4*H/128 bytes). Error limit vs a2a 8e-2 (a2a keeps bf16 activations). wait(C): device "
-                "time in the wait for the completion flags.", ""]
+                "time in the wait for the completion flags. " + EP_CLOCK_NOTE, ""]
     else:
         head = [f"# Expert-parallel layer benchmark ({meta['world']} x {meta['gpu']}, commit {meta['commit']})", "",
                 "Time: median over iterations of the max across ranks, ms. Floor = max over ranks of max(FLOPs/790e12, "
                 "HBM bytes/4.4e12, NVLink bytes in/3.3e11). kittens = pull return (default; token rows pulled "
                 "by a kernel before GEMM1); rows in GEMM1: pull return with GEMM1's tiles pulling the rows and "
                 "starting as they arrive (`pull_in_gemm1`). wait(C): device time in the wait for the "
-                "completion (COMPUTED) flags, median of the max across ranks.", ""]
+                "completion (COMPUTED) flags, median of the max across ranks. " + EP_CLOCK_NOTE, ""]
     out = head + [
            "| shape | tokens/rank | routing | kittens pull | kittens push | rows in GEMM1 | a2a | agrs | floor (bound) | "
-           "x floor | best baseline / kittens | NVLink GB/s | wait(C) pull us | wait(C) push us | target |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "x floor | SM clock | best baseline / kittens | NVLink GB/s | wait(C) pull us | wait(C) push us | target |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['shape']} | {r['tokens']} | {r['routing']} | error | | | | | | | | | | | |")
+            out.append(f"| {r['shape']} | {r['tokens']} | {r['routing']} | error | | | | | | | | | | | | |")
             continue
         ms = r["ms"]
         in_gemm1 = f"{ms['kittens_gemm1pull']:.3f}" if "kittens_gemm1pull" in ms else "-"
         out.append(
             f"| {r['shape']} | {r['tokens']} | {r['routing']} | {ms['kittens_pull']:.3f} | {ms['kittens_push']:.3f} | "
             f"{in_gemm1} | {ms['a2a']:.3f} | {ms['agrs']:.3f} | {r['floor_ms']:.3f} ({r['bound']}) | {r['ratio_to_floor']:.2f} | "
-            f"{r['speedup_vs_best_baseline']:.2f} | {r['nvlink_GBps']:.1f} | {r['wait_us']['pull']:.1f} | "
+            f"{clock_text(r.get('clock'))} | {r['speedup_vs_best_baseline']:.2f} | {r['nvlink_GBps']:.1f} | {r['wait_us']['pull']:.1f} | "
             f"{r['wait_us']['push']:.1f} | {'met' if r['target_met'] else 'MISS ' + r['target']} |")
     ab = [r for r in rows if "error" not in r and "kittens_nopdl" in r["ms"]]
     if ab:

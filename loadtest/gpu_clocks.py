@@ -96,3 +96,10 @@ class ClockSampler:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+
+
+def clock_text(clock: dict | None) -> str:
+    """A ``ClockSampler.summary`` as ``1410 MHz (cap 92%)``; ``-`` without one."""
+    if not clock:
+        return "-"
+    return f"{clock['sm_mhz']:.0f} MHz (cap {clock['power_capped']:.0%})"

@@ -45,7 +45,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .gpu_clocks import ClockSampler
+from .gpu_clocks import ClockSampler, clock_text
 
 PEAK_FLOPS = 790e12
 PEAK_BYTES = 4.4e12
@@ -186,13 +186,6 @@ def fp8_rate():
 
 
 # ---------------------------------------------------------------------------------- timing
-
-
-def clock_text(clock: dict | None) -> str:
-    """A timing's clock summary (``ClockSampler.summary``) as ``1410 MHz (cap 92%)``; ``-`` without."""
-    if not clock:
-        return "-"
-    return f"{clock['sm_mhz']:.0f} MHz (cap {clock['power_capped']:.0%})"
 
 
 def graph_time(fn, clocks: ClockSampler | None = None, warmup_ms=10, rep_ms=60):

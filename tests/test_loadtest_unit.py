@@ -265,7 +265,8 @@ def test_clock_sampler_summarises_its_window():
 
 
 def test_layer_markdown_shows_the_clock_of_each_row(tmp_path):
-    from mok_serve.loadtest.layer_bench import clock_text, write_markdown
+    from mok_serve.loadtest.gpu_clocks import clock_text
+    from mok_serve.loadtest.layer_bench import write_markdown
 
     base = dict(shape="DeepSeek-V3", tokens=8192, routing="uniform", kittens_ms=12.6, floor_ms=7.31, bound="compute",
                 ratio_to_floor=1.72, torch_ms=18.2, transformers_ms=20.2, speedup_vs_torch=1.44,
@@ -326,6 +327,24 @@ def test_ep_bench_replot_writes_markdown_and_plot(tmp_path):
     assert "| A | 128 | skewed | 1.000 | 1.200 | 1.000 | 3.300 | 3.000 |" in md
     assert "workspace for" not in md
     assert (tmp_path / "ep.png").stat().st_size > 10_000
+
+
+def test_ep_bench_reports_the_slowest_ranks_clock():
+    from mok_serve.loadtest import ep_bench
+
+    def rank_row(mhz):
+        times = {n: [1.0, 1.1, 0.9] for n in ("kittens_pull", "kittens_push", "a2a", "agrs")}
+        terms = [dict(floor_ms=0.5, nvlink=1e6, rows=8, flops=1e9, hbm=1e9)]
+        clock = None if mhz is None else dict(sm_mhz=mhz, power_w=600.0, power_capped=0.5, samples=9)
+        return dict(shape="A", world=2, tokens=128, routing="uniform", experts=8, hidden=64, inter=32, top_k=2,
+                    times=times, terms=terms, waits_ns={"pull": [1e3] * 3, "push": [2e3] * 3},
+                    errs={"pull": 0.0, "push": 0.0, "variants_equal": True}, clock=clock)
+
+    row = ep_bench.summarize([rank_row(1980.0), rank_row(1410.0)])
+    assert row["clock"]["sm_mhz"] == 1410.0
+    md = ep_bench.markdown([row, ep_bench.summarize([rank_row(None), rank_row(None)])], dict(world=2, gpu="g", commit="c"))
+    lines = [line for line in md.splitlines() if line.startswith("| A |")]
+    assert "| 2.00 | 1410 MHz (cap 50%) |" in lines[0] and "| 2.00 | - |" in lines[1]
 
 
 def test_ep_bench_serving_limit_table():
