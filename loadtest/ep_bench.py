@@ -511,7 +511,8 @@ def format_row(r):
 
 
 EP_CLOCK_NOTE = ("SM clock: the slowest rank's median SM clock (NVML, every 5 ms) while kittens pull was timed, "
-                 "and the share of those samples with the software power cap active.")
+                 "and the share of those samples with the software power cap active; - where the timed "
+                 "iterations fit between two samples.")
 
 
 def markdown(rows, meta):
