@@ -74,12 +74,13 @@ def parse_points(points):
     ``uniform`` unless named (shape names may contain ':')."""
     out = []
     for pt in points:
-        rest, last = pt.rsplit(":", 1)
-        routing = "uniform"
-        if last in ROUTINGS:
-            routing = last
-            rest, last = rest.rsplit(":", 1)
-        out.append((rest, int(last), routing))
+        parts = pt.rsplit(":", 2)
+        routing = parts.pop() if len(parts) == 3 and parts[-1] in ROUTINGS else "uniform"
+        rest = ":".join(parts[:-1])
+        if not rest or not parts[-1].isdigit():
+            raise ValueError(f"point {pt!r}: expected SHAPE:TOKENS or SHAPE:TOKENS:ROUTING, ROUTING one of "
+                             f"{', '.join(ROUTINGS)}")
+        out.append((rest, int(parts[-1]), routing))
     return out
 
 
@@ -670,6 +671,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fp8", action="store_true",
                    help="block-FP8 experts (default shapes DeepSeek-V3,Kimi-K2; results layer_bench_fp8.*)")
     args = p.parse_args(argv)
+    try:  # bad points fail here, before any GPU work
+        for key in ("profile", "sweep_points"):
+            if getattr(args, key):
+                setattr(args, key, parse_points(getattr(args, key)))
+    except ValueError as exc:
+        p.error(str(exc))
+    unknown = {pt[0] for pt in (args.profile or []) + (args.sweep_points or [])} - set(load_shapes())
+    if unknown:
+        p.error(f"unknown shape(s) {', '.join(sorted(unknown))}; known: {', '.join(load_shapes())}")
     if not torch.cuda.is_available():
         print("layer benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -711,13 +721,11 @@ def main(argv: list[str] | None = None) -> int:
 def run(args, shapes, meta, out, log, clocks) -> int:
     t0 = time.time()
     if args.profile:
-        res = profile(shapes, parse_points(args.profile), args.seed, log)
+        res = profile(shapes, args.profile, args.seed, log)
         (out / f"{args.name}_profile.json").write_text(json.dumps(dict(meta=meta, results=res), indent=1))
         return 0
     if args.sweep:
-        points = SWEEP_POINTS
-        if args.sweep_points:
-            points = parse_points(args.sweep_points)
+        points = args.sweep_points or SWEEP_POINTS
         res = sweep(shapes, [pt for pt in points if pt[0] in shapes], args.seed, log, clocks,
                     labels=args.sweep_labels, repeats=args.sweep_repeats)
         (out / f"{args.name}_sweep.json").write_text(json.dumps(dict(meta=meta, results=res), indent=1))

@@ -243,6 +243,18 @@ def test_layer_points_take_an_optional_routing():
         parse_points(["DeepSeek-V3:8192:hot"])
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--profile", "Foo:8"], "unknown shape(s) Foo"),
+    (["--sweep", "--sweep-points", "DeepSeek-V3:8:hot"], "point 'DeepSeek-V3:8:hot': expected SHAPE:TOKENS"),
+])
+def test_layer_bench_rejects_bad_points_before_gpu_work(capsys, argv, message):
+    from mok_serve.loadtest.layer_bench import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_clock_sampler_summarises_its_window():
     from mok_serve.loadtest.gpu_clocks import SW_POWER_CAP, ClockSampler
 
