@@ -668,6 +668,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", nargs="*", metavar="SHAPE:TOKENS[:ROUTING]", default=None,
                    help="instead: each kittens kernel's device time per call (torch.profiler) at these points "
                    "(routing as for --sweep-points)")
+    p.add_argument("--no-clocks", action="store_true",
+                   help="do not sample the SM clock (NVML) while timing; the clock column shows '-'")
     p.add_argument("--fp8", action="store_true",
                    help="block-FP8 experts (default shapes DeepSeek-V3,Kimi-K2; results layer_bench_fp8.*)")
     args = p.parse_args(argv)
@@ -710,8 +712,8 @@ def main(argv: list[str] | None = None) -> int:
         "before each replay)",
         peak_flops=PEAK_FLOPS, peak_bytes=PEAK_BYTES,
     )
-    clocks = ClockSampler.for_cuda_device(torch.cuda.current_device())
-    meta["clock_sampling"] = "NVML every 5 ms" if clocks.available else "unavailable"
+    clocks = ClockSampler(None) if args.no_clocks else ClockSampler.for_cuda_device(torch.cuda.current_device())
+    meta["clock_sampling"] = "NVML every 5 ms" if clocks.available else "off" if args.no_clocks else "unavailable"
     try:
         return run(args, shapes, meta, out, log, clocks)
     finally:
