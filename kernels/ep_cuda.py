@@ -330,7 +330,7 @@ def _ep_gemm1_pull_kernel(
     TOPK: tl.constexpr, E_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-    USE_TMA: tl.constexpr, GROUP_M: tl.constexpr,
+    USE_TMA: tl.constexpr, GROUP_M: tl.constexpr, SWAP_AB: tl.constexpr,
     K_PAD: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):
     """GEMM1 that pulls its own A rows (``x_ptr`` is ``xl``): chunks of ``BT`` source tokens are
@@ -382,7 +382,7 @@ def _ep_gemm1_pull_kernel(
         _gemm1_tile(
             x_ptr, w_ptr, w_desc, act_ptr, tok, offs_m, row_ok, pid_n, e, start_e, H, I,
             stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
-            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA,
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB,
         )
 
 
@@ -411,7 +411,8 @@ def _ep_gemm2_push_kernel(
     E_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-    USE_TMA: tl.constexpr, GROUP_M: tl.constexpr, ELEM_BYTES: tl.constexpr, PDL: tl.constexpr,
+    USE_TMA: tl.constexpr, GROUP_M: tl.constexpr, SWAP_AB: tl.constexpr, ELEM_BYTES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """``triton_moe._moe_gemm2_kernel`` (same arithmetic) whose epilogue stores each row straight
     into the ``ret`` buffer of the row's home rank (push return). Same leading parameters, so
@@ -425,7 +426,7 @@ def _ep_gemm2_push_kernel(
         acc, offs_n, n_ok = _gemm2_tile(
             act_ptr, w_ptr, w_desc, e, start_e, offs_m, row_ok, pid_n, H, I,
             stride_we, stride_wn, stride_wk,
-            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA,
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB,
         )
         _push_rows(acc, rows, row_ok, offs_n, n_ok, ret_ptr, rettab_ptr, rank, rows_per_source, H,
                    ELEM_BYTES, DOT_F32)

@@ -175,6 +175,30 @@ def _dot(a, b, acc, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _acc_zeros(M: tl.constexpr, N: tl.constexpr, SWAP_AB: tl.constexpr):
+    """The fp32 accumulator of an [M, N] output tile, held transposed under ``SWAP_AB``."""
+    if SWAP_AB:
+        acc = tl.zeros([N, M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([M, N], dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _mma(a, b, acc, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr, SWAP_AB: tl.constexpr):
+    """``acc += a @ b`` (a: [rows, K] activations, b: [K, columns] weights). ``SWAP_AB`` computes
+    the transpose, ``acc.T += b.T @ a.T``, so the weight columns are the matrix instruction's M side
+    and a handful of token rows its N side (as small as 16, where wgmma's M is 64): at decode sizes
+    the shared memory then holds weight tiles, not padding rows, and more of them are in flight.
+    Each output element sums the same products in the same K order either way."""
+    if SWAP_AB:
+        acc = _dot(tl.trans(b), tl.trans(a), acc, DOT_IEEE, DOT_F32)
+    else:
+        acc = _dot(a, b, acc, DOT_IEEE, DOT_F32)
+    return acc
+
+
+@triton.jit
 def _program_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
     """(row tile, column tile) of a program. Groups of GROUP_M row tiles sweep all column tiles
     together, row tiles fastest: the row tiles of one expert (adjacent) read each weight tile at the
@@ -249,7 +273,7 @@ def _gemm1_tile(
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of GEMM1 for expert ``e`` (A rows ``x[tok]``), SiLU(gate) * up
     stored into ``act``. Shared with the expert-parallel GEMM1 that pulls its rows (ep_cuda.py).
@@ -257,7 +281,7 @@ def _gemm1_tile(
     The B tile is [BLOCK_K, 2*BLOCK_N]: this column tile's gate rows of ``w13`` then its up rows,
     so a single dot (one wgmma chain of width 2*BLOCK_N) makes both; the epilogue splits the
     accumulator in halves. With ``USE_TMA`` one TMA box of ``w13`` viewed as [E, 2, I, H] holds it
-    (past I or H: zero fill); else pointer loads."""
+    (past I or H: zero fill); else pointer loads. ``SWAP_AB``: see ``_mma``."""
     offs_k = tl.arange(0, BLOCK_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
@@ -269,7 +293,7 @@ def _gemm1_tile(
         nj_ok = n_j < I
         w_ptrs = (w_ptr + e.to(tl.int64) * stride_we + (n_j + (offs_j // BLOCK_N) * I)[None, :] * stride_wn
                   + offs_k[:, None] * stride_wk)
-    acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+    acc = _acc_zeros(BLOCK_M, 2 * BLOCK_N, SWAP_AB)
     for k0 in range(0, H, BLOCK_K):
         k_ok = offs_k < H - k0
         a = _load_rows(a_ptrs, row_ok, k_ok, EVEN_K)
@@ -278,8 +302,10 @@ def _gemm1_tile(
         else:
             b = _load_cols(w_ptrs, nj_ok, k_ok, EVEN_K, EVEN_N)
             w_ptrs += BLOCK_K * stride_wk
-        acc = _dot(a, b, acc, DOT_IEEE, DOT_F32)
+        acc = _mma(a, b, acc, DOT_IEEE, DOT_F32, SWAP_AB)
         a_ptrs += BLOCK_K * stride_xh
+    if SWAP_AB:
+        acc = tl.trans(acc)
     acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
     # Same rounding points as the reference: gate/up in the input dtype, SiLU*up in fp32.
     out_ty = act_ptr.dtype.element_ty
@@ -298,7 +324,8 @@ def _moe_gemm1_kernel(
     TOPK: tl.constexpr, E_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-    USE_TMA: tl.constexpr, GROUP_M: tl.constexpr, HALF_TAIL: tl.constexpr, PDL: tl.constexpr,
+    USE_TMA: tl.constexpr, GROUP_M: tl.constexpr, HALF_TAIL: tl.constexpr, SWAP_AB: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     _grid_dependency(PDL)
     in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
@@ -312,19 +339,19 @@ def _moe_gemm1_kernel(
                 _gemm1_rows(
                     x_ptr, w_ptr, w_desc, act_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
                     stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
-                    TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA,
+                    TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB,
                 )
             else:
                 _gemm1_rows(
                     x_ptr, w_ptr, w_desc, act_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
                     stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
-                    TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA,
+                    TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB,
                 )
         else:
             _gemm1_rows(
                 x_ptr, w_ptr, w_desc, act_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
                 stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
-                TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA,
+                TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB,
             )
 
 
@@ -334,13 +361,13 @@ def _gemm1_rows(
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
     offs_m, row_ok, rows = _tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
     _gemm1_tile(
         x_ptr, w_ptr, w_desc, act_ptr, (rows // TOPK).to(tl.int64), offs_m, row_ok, pid_n, e, start_e, H, I,
         stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
-        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA,
+        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB,
     )
 
 
@@ -350,10 +377,11 @@ def _gemm2_tile(
     stride_we, stride_wn, stride_wk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of GEMM2 for expert ``e``: fp32 accumulator, columns, mask.
-    Shared by every GEMM2 epilogue (here and the expert-parallel push in ep_cuda.py)."""
+    Shared by every GEMM2 epilogue (here and the expert-parallel push in ep_cuda.py). ``SWAP_AB``:
+    see ``_mma``."""
     offs_k = tl.arange(0, BLOCK_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
@@ -362,7 +390,7 @@ def _gemm2_tile(
         row_w = e * H + pid_n * BLOCK_N  # row of w2 viewed as [E*H, I]
     else:
         w_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     for k0 in range(0, I, BLOCK_K):
         k_ok = offs_k < I - k0
         a = _load_rows(a_ptrs, row_ok, k_ok, EVEN_K)
@@ -371,8 +399,10 @@ def _gemm2_tile(
         else:
             b = _load_cols(w_ptrs, n_ok, k_ok, EVEN_K, EVEN_N)
             w_ptrs += BLOCK_K * stride_wk
-        acc = _dot(a, b, acc, DOT_IEEE, DOT_F32)
+        acc = _mma(a, b, acc, DOT_IEEE, DOT_F32, SWAP_AB)
         a_ptrs += BLOCK_K
+    if SWAP_AB:
+        acc = tl.trans(acc)
     return acc, offs_n, n_ok
 
 
@@ -384,7 +414,8 @@ def _moe_gemm2_kernel(
     E_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-    USE_TMA: tl.constexpr, GROUP_M: tl.constexpr, HALF_TAIL: tl.constexpr, PDL: tl.constexpr,
+    USE_TMA: tl.constexpr, GROUP_M: tl.constexpr, HALF_TAIL: tl.constexpr, SWAP_AB: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     _grid_dependency(PDL)
     in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
@@ -396,19 +427,19 @@ def _moe_gemm2_kernel(
                 _gemm2_rows(
                     act_ptr, w_ptr, w_desc, y_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
                     stride_we, stride_wn, stride_wk,
-                    BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA,
+                    BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB,
                 )
             else:
                 _gemm2_rows(
                     act_ptr, w_ptr, w_desc, y_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
                     stride_we, stride_wn, stride_wk,
-                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA,
+                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB,
                 )
         else:
             _gemm2_rows(
                 act_ptr, w_ptr, w_desc, y_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
                 stride_we, stride_wn, stride_wk,
-                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA,
+                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB,
             )
 
 
@@ -418,13 +449,13 @@ def _gemm2_rows(
     stride_we, stride_wn, stride_wk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
     offs_m, row_ok, rows = _tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
     acc, offs_n, n_ok = _gemm2_tile(
         act_ptr, w_ptr, w_desc, e, start_e, offs_m, row_ok, pid_n, H, I,
         stride_we, stride_wn, stride_wk,
-        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA,
+        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB,
     )
     _scatter_rows(acc, rows, row_ok, offs_n, n_ok, y_ptr, H, DOT_F32)
 
@@ -647,7 +678,7 @@ def launch_gemm1(
     GEMM1 that pulls its rows), ``extra_args`` / ``extra_constexprs`` being its own ones."""
     num_local, two_i, hidden = w13.shape
     inter = two_i // 2
-    g = _gemm_config(config, act, interpret, GROUP_M=1, HALF_TAIL=False)
+    g = _gemm_config(config, act, interpret, GROUP_M=1, HALF_TAIL=False, SWAP_AB=False)
     if kernel is not None:
         g.pop("HALF_TAIL")  # the expert-parallel kernels always run full tiles
     bm, bn = g["BLOCK_M"], g["BLOCK_N"]
@@ -687,7 +718,7 @@ def launch_gemm2(
     of them at most). ``kernel`` replaces it by a kernel with the same leading parameters (the
     expert-parallel push epilogue), ``extra_args`` / ``extra_constexprs`` being its own ones."""
     num_local, hidden, inter = w2.shape
-    g = _gemm_config(config, act, interpret, GROUP_M=1, HALF_TAIL=False)
+    g = _gemm_config(config, act, interpret, GROUP_M=1, HALF_TAIL=False, SWAP_AB=False)
     if kernel is not None:
         g.pop("HALF_TAIL")  # the expert-parallel kernels always run full tiles
     bm, bn = g["BLOCK_M"], g["BLOCK_N"]

@@ -426,6 +426,15 @@ def sweep_variants(tokens, top_k, E, H, I):
             ("g2 n/2", d1, v(d2, BLOCK_N=max(16, bn2 // 2))),
             ("g2 n*2", d1, v(d2, BLOCK_N=min(256, bn2 * 2))),
         ]
+        if 2 * bn1 >= 64 and bn2 >= 64:
+            # Operands swapped (weight columns on wgmma's M side, 16 token rows on its N side): the
+            # shared memory holds weight tiles instead of padding rows, so deeper pipelines fit.
+            sw = dict(BLOCK_M=16, SWAP_AB=True)
+            out += [("swap", v(d1, **sw), v(d2, **sw)), ("swap g1", v(d1, **sw), d2), ("swap g2", d1, v(d2, **sw))]
+            out += [(f"swap s{s1}/{s2}", v(d1, **sw, num_stages=s1), v(d2, **sw, num_stages=s2))
+                    for s1, s2 in ((6, 5), (8, 5), (10, 6), (8, 4))]
+            out += [("swap g2 n/2", v(d1, **sw), v(d2, **sw, BLOCK_N=bn2 // 2)),
+                    ("swap s8/5 g1 n*2", v(d1, **sw, num_stages=8, BLOCK_N=bn1 * 2), v(d2, **sw, num_stages=5))]
     return out
 
 

@@ -92,6 +92,8 @@ def test_strided_int64_ids_and_bf16_weights():
         # half-height last tiles: experts get 15, 21, 25 and 19 rows, so expert 0 runs a 16-row tile
         (dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=32, HALF_TAIL=True),
          dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, HALF_TAIL=True)),
+        # operands swapped (weight columns on the M side): 16-row tiles, two per expert or more
+        (dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SWAP_AB=True), dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=16, SWAP_AB=True)),
     ],
 )
 def test_tile_configs_agree(cfg):
