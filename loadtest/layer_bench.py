@@ -430,11 +430,12 @@ def sweep_variants(tokens, top_k, E, H, I):
             # Operands swapped (weight columns on wgmma's M side, 16 token rows on its N side): the
             # shared memory holds weight tiles instead of padding rows, so deeper pipelines fit.
             sw = dict(BLOCK_M=16, SWAP_AB=True)
-            out += [("swap", v(d1, **sw), v(d2, **sw)), ("swap g1", v(d1, **sw), d2), ("swap g2", d1, v(d2, **sw))]
-            out += [(f"swap s{s1}/{s2}", v(d1, **sw, num_stages=s1), v(d2, **sw, num_stages=s2))
-                    for s1, s2 in ((6, 5), (8, 5), (10, 6), (8, 4))]
-            out += [("swap g2 n/2", v(d1, **sw), v(d2, **sw, BLOCK_N=bn2 // 2)),
-                    ("swap s8/5 g1 n*2", v(d1, **sw, num_stages=8, BLOCK_N=bn1 * 2), v(d2, **sw, num_stages=5))]
+            out += [("swap", v(d1, **sw), v(d2, **sw))]
+            # GEMM1 alone, then GEMM2 alone: pipeline depth and K block (BLOCK_K does not change the
+            # bits: the wgmma k-steps chain on one accumulator in the same order).
+            out += [(f"swap g1 s{st}", v(d1, **sw, num_stages=st), d2) for st in (8, 12, 16, 20)]
+            out += [(f"swap g1 k128 s{st}", v(d1, **sw, num_stages=st, BLOCK_K=128), d2) for st in (4, 6, 10)]
+            out += [("swap g2 s6", d1, v(d2, **sw, num_stages=6)), ("swap g2 k128 s3", d1, v(d2, **sw, num_stages=3, BLOCK_K=128))]
     return out
 
 
