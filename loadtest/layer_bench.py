@@ -426,16 +426,15 @@ def sweep_variants(tokens, top_k, E, H, I):
             ("g2 n/2", d1, v(d2, BLOCK_N=max(16, bn2 // 2))),
             ("g2 n*2", d1, v(d2, BLOCK_N=min(256, bn2 * 2))),
         ]
+        # Operands swapped (weight columns on wgmma's M side, 16 token rows on its N side): the
+        # shared memory holds weight tiles instead of padding rows, so deeper pipelines fit. BLOCK_K
+        # does not change the bits (the wgmma k-steps chain on one accumulator in the same order).
+        sw = dict(BLOCK_M=16, SWAP_AB=True, BLOCK_K=128)
+        g2s = v(d2, **sw, num_stages=3)
+        if bn2 >= 64:
+            out += [("swap g2 k128 s3", d1, g2s)]
         if 2 * bn1 >= 64 and bn2 >= 64:
-            # Operands swapped (weight columns on wgmma's M side, 16 token rows on its N side): the
-            # shared memory holds weight tiles instead of padding rows, so deeper pipelines fit.
-            sw = dict(BLOCK_M=16, SWAP_AB=True)
-            out += [("swap", v(d1, **sw), v(d2, **sw))]
-            # GEMM1 alone, then GEMM2 alone: pipeline depth and K block (BLOCK_K does not change the
-            # bits: the wgmma k-steps chain on one accumulator in the same order).
-            out += [(f"swap g1 s{st}", v(d1, **sw, num_stages=st), d2) for st in (8, 12, 16, 20)]
-            out += [(f"swap g1 k128 s{st}", v(d1, **sw, num_stages=st, BLOCK_K=128), d2) for st in (4, 6, 10)]
-            out += [("swap g2 s6", d1, v(d2, **sw, num_stages=6)), ("swap g2 k128 s3", d1, v(d2, **sw, num_stages=3, BLOCK_K=128))]
+            out += [("dec A", v(d1, **sw, num_stages=4), g2s), ("dec B", v(d1, **sw, num_stages=6), g2s)]
     return out
 
 
