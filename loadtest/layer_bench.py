@@ -435,6 +435,9 @@ def sweep_variants(tokens, top_k, E, H, I):
             out += [("swap g2 k128 s3", d1, g2s)]
         if 2 * bn1 >= 64 and bn2 >= 64:
             out += [("dec A", v(d1, **sw, num_stages=4), g2s), ("dec B", v(d1, **sw, num_stages=6), g2s)]
+            # The same shared memory per program with BLOCK_K 64 (twice the stages).
+            sw64 = dict(BLOCK_M=16, SWAP_AB=True)
+            out += [("dec B k64", v(d1, **sw64, num_stages=12), v(d2, **sw64, num_stages=6))]
     return out
 
 
