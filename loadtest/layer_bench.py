@@ -435,9 +435,14 @@ def sweep_variants(tokens, top_k, E, H, I):
             out += [("swap g2 k128 s3", d1, g2s)]
         if 2 * bn1 >= 64 and bn2 >= 64:
             out += [("dec A", v(d1, **sw, num_stages=4), g2s), ("dec B", v(d1, **sw, num_stages=6), g2s)]
-            # The same shared memory per program with BLOCK_K 64 (twice the stages).
-            sw64 = dict(BLOCK_M=16, SWAP_AB=True)
-            out += [("dec B k64", v(d1, **sw64, num_stages=12), v(d2, **sw64, num_stages=6))]
+
+            # Taller token tiles (for more rows per expert), pipelines as deep as ~216 KB allow.
+            def deep(d, bm, cols, most, swap=True):
+                stage = 2 * (bm * 128 + cols * 128)
+                return v(d, BLOCK_M=bm, SWAP_AB=swap, BLOCK_K=128, num_stages=max(2, min(most, 216 * 1024 // stage)))
+
+            out += [(f"dec m{bm}", deep(d1, bm, 2 * bn1, 6), deep(d2, bm, bn2, 3)) for bm in (32, 64)]
+            out += [("dec k128 unswapped", deep(d1, 64, 2 * bn1, 6, False), deep(d2, 64, bn2, 3, False))]
     return out
 
 
