@@ -32,10 +32,13 @@ lets the next one's programs start early, which hides the launch gaps (~2 us per
 sizes, kernels/NOTES.md); ``MOK_PDL=0`` launches them the ordinary way.
 
 Batch invariance: every output element of a GEMM accumulates its K dimension in the same order
-(``BLOCK_K`` chunks, in increasing k, chained on one fp32 accumulator, no split-K) whatever the
-number of rows; the block sizes are chosen from static shape information. ``BLOCK_M >= 64`` always,
-so Hopper always runs the same matrix instruction (wgmma) whatever the regime; the GPU tests check
-bitwise that a token alone equals the same token inside batches of 7, 128 and 4096.
+(wgmma's 16-deep k-steps, in increasing k, chained on one fp32 accumulator, no split-K) whatever the
+number of rows; the block sizes are chosen from static shape information. Every regime runs the
+same matrix instruction on Hopper (wgmma): its M side is the token rows (``BLOCK_M >= 64``) or, with
+``SWAP_AB`` at decode sizes, the weight columns (>= 64), and neither the K block (64 or 128) nor the
+operand order changes a product or the order of the sums. The GPU tests check bitwise that a token
+alone equals the same token inside batches of 7, 128 and 4096, and that every regime's tiles give
+the same bits.
 
 Out-of-range ids (``< 0`` or ``>= E_global``) and expert_map values outside ``[0, E_local)`` are
 treated as "not local" by every kernel (masked, never dereferenced); eagerly the launcher raises
@@ -496,57 +499,50 @@ def _moe_combine_kernel(
 # Configuration: a function of static shapes only (tokens, top_k, experts, hidden, intermediate).
 # ----------------------------------------------------------------------------------------------
 
-# BLOCK_K is the same for every regime of a shape (it only depends on H and I), so every row's
-# K-reduction order is identical whatever the batch. BLOCK_M >= 64 keeps Hopper on wgmma.
-_BLOCK_K = 64
-
-
-def _kdim_block(k_dim: int) -> int:
-    return min(_BLOCK_K, max(16, triton.next_power_of_2(k_dim)))
+def _kdim_block(k_dim: int, most: int = 64) -> int:
+    """The K block: ``most`` (64, or 128 in the decode regime), less for a short K dimension."""
+    return min(most, max(16, triton.next_power_of_2(k_dim)))
 
 
 def pick_configs(tokens: int, top_k: int, num_local: int, hidden: int, inter: int) -> tuple[dict, dict]:
     """(GEMM1 config, GEMM2 config) for a call; depends on shapes only, never on device values.
 
     Regimes by the average rows per expert (``tokens * top_k / experts``, a static quantity):
-    few rows -> weight streaming (64-row tiles, narrow column tiles so that >= 2 programs per SM
-    read weights at decode sizes); more rows -> 128-row tiles, 128x256 output tiles. Measured on an
-    H200 (kernels/NOTES.md): gate/up in one dot and TMA weight tiles in both GEMMs were best or
-    within noise everywhere; 128-row tiles beat 64-row tiles from ~64 rows per expert on.
+    up to 8 -> decode: operands swapped (``SWAP_AB``: weight columns on wgmma's M side, 16-row token
+    tiles on its N side), 128-deep K blocks and deep pipelines, narrow column tiles so that a few
+    hundred programs read weights; up to 48 -> weight streaming with 64-row tiles; more rows ->
+    128-row tiles, 128x256 output tiles. Measured on an H200 (kernels/NOTES.md). Every regime gives
+    the same bits for a row: each output element chains the same 16-deep wgmma k-steps on one fp32
+    accumulator in K order, whatever the tile shape, the operand order or the K block.
     """
     rows = tokens * top_k
     avg = rows / max(num_local, 1)
+    busy = max(1, min(rows, num_local))
+    few = busy <= 2 * top_k  # at most two tokens' experts: a grid of a few hundred programs
+    if avg <= 8:
+        # Decode (sweeps at d1dc340-5767485, sweep_swap*_*.log): a 16-row token tile holds an expert's
+        # rows (8 on average), so shared memory holds weight tiles rather than padding rows: 6 stages
+        # of 128-deep GEMM1 tiles and 3 of GEMM2's. 2-6% faster than 64-row tiles with 64-deep K
+        # blocks at 1-128 tokens on all five shapes; 18-44% slower at 16-32 rows per expert (a second
+        # tile per expert reads the weights again).
+        bn1 = 64
+        while bn1 > 32 and busy * triton.cdiv(inter, bn1) < 2 * _SMS:  # 2 * BLOCK_N >= 64: wgmma's M
+            bn1 //= 2
+        bn2 = _gemm2_columns(busy, hidden, few, least=64)
+        tile = dict(BLOCK_M=16, num_warps=4, USE_TMA=True, SWAP_AB=True)
+        return (dict(BLOCK_N=bn1, BLOCK_K=_kdim_block(hidden, 128), num_stages=6, **tile),
+                dict(BLOCK_N=bn2, BLOCK_K=_kdim_block(inter, 128), num_stages=3, **tile))
     bk1, bk2 = _kdim_block(hidden), _kdim_block(inter)
     if avg <= 48:
-        # Weight streaming: fill 132 SMs at decode sizes with narrow column tiles.
-        busy = max(1, min(rows, num_local))
+        # Weight streaming: fill 132 SMs with narrow column tiles. 4 stages fit more programs per
+        # SM than 5 (sweeps at d12e81a/c32df4d, loadtest/results/sweep_{decode,mid,stages}_*.json:
+        # 1-7% faster at 8-128 tokens on all five shapes).
         bn1 = 64
         while bn1 > 16 and busy * triton.cdiv(inter, bn1) < 2 * _SMS:
             bn1 //= 2
-        few = busy <= 2 * top_k  # at most two tokens' experts: a grid of a few hundred programs
-        if few:
-            # Pipeline depth sets how many programs share an SM, so how full GEMM1's last wave is;
-            # the deepest pipeline among those whose last wave is (nearly) the fullest. Sweep at
-            # 616d9e0 (sweep_decode_stages_616d9e0.log, 5 repeats, 1-2 tokens, five shapes): this
-            # picks the fastest of 3, 4 and 5 stages at all nine points (GLM-4.5 and Qwen3-235B-A22B
-            # 1 token, Qwen3-30B-A3B 2 tokens: 4 stages, 4-8% faster than 5; elsewhere 5).
-            programs = busy * triton.cdiv(inter, bn1)
-            stage_bytes = 2 * (64 * bk1 + 2 * bn1 * bk1)  # A tile + gate/up B tile, 2-byte elements
-            fill = {s: _last_wave_fill(programs, s * stage_bytes) for s in (5, 4, 3)}
-            stages = max(s for s in fill if fill[s] >= max(fill.values()) - 0.05)
-        else:
-            # Beyond, 4 stages fit more programs per SM (sweeps at d12e81a/c32df4d,
-            # loadtest/results/sweep_{decode,mid,stages}_*.json: 4 stages 1-7% faster than 5 at 8-128
-            # tokens on all five shapes).
-            stages = 4
-        # GEMM2 column tiles: with few experts busy one program per SM streams enough, and wider
-        # tiles are faster (interleaved sweep at b22b37b, sweep_g2n_b22b37b.json: 1-2 tokens, all
-        # five shapes, 0-12% faster than half as wide); beyond, two programs per SM.
-        bn2, min_programs = (256, _SMS) if few else (128, 2 * _SMS)
-        while bn2 > 32 and busy * triton.cdiv(hidden, bn2) < min_programs:
-            bn2 //= 2
-        g1 = dict(BLOCK_M=64, BLOCK_N=bn1, BLOCK_K=bk1, num_warps=4, num_stages=stages, USE_TMA=True)
-        g2 = dict(BLOCK_M=64, BLOCK_N=bn2, BLOCK_K=bk2, num_warps=4, num_stages=stages, USE_TMA=True)
+        bn2 = _gemm2_columns(busy, hidden, few, least=32)
+        g1 = dict(BLOCK_M=64, BLOCK_N=bn1, BLOCK_K=bk1, num_warps=4, num_stages=4, USE_TMA=True)
+        g2 = dict(BLOCK_M=64, BLOCK_N=bn2, BLOCK_K=bk2, num_warps=4, num_stages=4, USE_TMA=True)
     else:
         # 4 stages hide more HBM latency where weights still dominate (~5-12% faster at 2048 tokens);
         # at >160 rows/expert the 4th stage (192 KB of shared memory) was up to 33% slower.
@@ -559,14 +555,19 @@ def pick_configs(tokens: int, top_k: int, num_local: int, hidden: int, inter: in
     return g1, g2
 
 
-# Hopper as on the H100/H200 SXM: 132 SMs, 228 KB of shared memory per SM, 1 KB of it reserved per program.
-_SMS, _SMEM_PER_SM, _SMEM_RESERVED = 132, 228 * 1024, 1024
+# Hopper as on the H100/H200 SXM: 132 SMs.
+_SMS = 132
 
 
-def _last_wave_fill(programs: int, smem_per_program: int) -> float:
-    """How full the last wave of a grid is when shared memory alone limits programs per SM."""
-    slots = _SMS * max(1, _SMEM_PER_SM // (smem_per_program + _SMEM_RESERVED))
-    return programs / (triton.cdiv(programs, slots) * slots)
+def _gemm2_columns(busy: int, hidden: int, few: bool, least: int) -> int:
+    """GEMM2's column tile (at least ``least``) where weights are streamed. With few experts busy
+    one program per SM streams enough, and wider tiles are faster (interleaved sweep at b22b37b,
+    sweep_g2n_b22b37b.json: 1-2 tokens, all five shapes, 0-12% faster than half as wide); beyond,
+    two programs per SM."""
+    bn2, min_programs = (256, _SMS) if few else (128, 2 * _SMS)
+    while bn2 > least and busy * triton.cdiv(hidden, bn2) < min_programs:
+        bn2 //= 2
+    return bn2
 
 
 def _max_row_tiles(rows: int, num_local: int, block_m: int) -> int:

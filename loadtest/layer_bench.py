@@ -414,35 +414,37 @@ def sweep_variants(tokens, top_k, E, H, I):
             ("g1 2/SM", v(d1, BLOCK_N=64, num_stages=3), d2),
             ("g2 2/SM", d1, v(d2, BLOCK_N=128, num_stages=3)),
         ]
+    elif d1.get("SWAP_AB"):
+        bn1, bn2 = d1["BLOCK_N"], d2["BLOCK_N"]
+        out += [
+            # What decode ran before 16-row swapped tiles: 64-row tiles, 64-deep K blocks, 4 stages.
+            ("unswapped", v(d1, BLOCK_M=64, SWAP_AB=False, BLOCK_K=64, num_stages=4),
+             v(d2, BLOCK_M=64, SWAP_AB=False, BLOCK_K=64, num_stages=4)),
+            ("g1 s4", v(d1, num_stages=4), d2),
+            ("g1 s5", v(d1, num_stages=5), d2),
+            ("g2 s2", d1, v(d2, num_stages=2)),
+            # Column width sets the programs per weight matrix (2 * BLOCK_N >= 64: wgmma's M side).
+            ("g1 n*2", v(d1, BLOCK_N=min(128, bn1 * 2)), d2),
+            ("g2 n/2", d1, v(d2, BLOCK_N=max(64, bn2 // 2))),
+            ("g2 n*2", d1, v(d2, BLOCK_N=min(256, bn2 * 2))),
+            # Taller token tiles (the N side).
+            ("m32", v(d1, BLOCK_M=32, num_stages=5), d2),
+        ]
     else:
         bn1, bn2 = d1["BLOCK_N"], d2["BLOCK_N"]
         out += [
             ("s3", v(d1, num_stages=3), v(d2, num_stages=3)),
-            ("s4", v(d1, num_stages=4), v(d2, num_stages=4)),
             ("s5", v(d1, num_stages=5), v(d2, num_stages=5)),
             # Column width sets the programs per weight matrix and so the last wave's fill.
             ("g1 n/2", v(d1, BLOCK_N=max(16, bn1 // 2)), d2),
             ("g1 n*2", v(d1, BLOCK_N=min(128, bn1 * 2)), d2),
             ("g2 n/2", d1, v(d2, BLOCK_N=max(16, bn2 // 2))),
             ("g2 n*2", d1, v(d2, BLOCK_N=min(256, bn2 * 2))),
+            # Operands swapped with 16-row token tiles, as at decode (18-44% slower at 16-32 rows
+            # per expert in the sweep at 5767485).
+            ("swapped", v(d1, BLOCK_M=16, SWAP_AB=True, BLOCK_K=128, num_stages=6, BLOCK_N=max(32, bn1)),
+             v(d2, BLOCK_M=16, SWAP_AB=True, BLOCK_K=128, num_stages=3, BLOCK_N=max(64, bn2))),
         ]
-        # Operands swapped (weight columns on wgmma's M side, 16 token rows on its N side): the
-        # shared memory holds weight tiles instead of padding rows, so deeper pipelines fit. BLOCK_K
-        # does not change the bits (the wgmma k-steps chain on one accumulator in the same order).
-        sw = dict(BLOCK_M=16, SWAP_AB=True, BLOCK_K=128)
-        g2s = v(d2, **sw, num_stages=3)
-        if bn2 >= 64:
-            out += [("swap g2 k128 s3", d1, g2s)]
-        if 2 * bn1 >= 64 and bn2 >= 64:
-            out += [("dec A", v(d1, **sw, num_stages=4), g2s), ("dec B", v(d1, **sw, num_stages=6), g2s)]
-
-            # Taller token tiles (for more rows per expert), pipelines as deep as ~216 KB allow.
-            def deep(d, bm, cols, most, swap=True):
-                stage = 2 * (bm * 128 + cols * 128)
-                return v(d, BLOCK_M=bm, SWAP_AB=swap, BLOCK_K=128, num_stages=max(2, min(most, 216 * 1024 // stage)))
-
-            out += [(f"dec m{bm}", deep(d1, bm, 2 * bn1, 6), deep(d2, bm, bn2, 3)) for bm in (32, 64)]
-            out += [("dec k128 unswapped", deep(d1, 64, 2 * bn1, 6, False), deep(d2, 64, bn2, 3, False))]
     return out
 
 

@@ -157,6 +157,32 @@ def test_weights_tma_cannot_read_take_pointer_loads_with_the_same_bits():
     assert rel_err(out, ref_fp32(x, w13, w2, tw, ids)) <= 1e-2
 
 
+def test_tile_regimes_give_the_same_bits():
+    """What batch invariance rests on: the decode regime's swapped 16-row tiles (128-deep K blocks),
+    the 64-row and the 128-row tiles give every row the same bits, with TMA or pointer weights."""
+    w13, w2 = weights_for("Qwen3-30B-A3B")
+    E, H, I = w13.shape[0], w13.shape[2], w2.shape[2]
+    g = torch.Generator(device=DEV).manual_seed(fresh_seed())
+    others = [pick_configs(512, 8, E, H, I), pick_configs(8192, 8, E, H, I)]
+    assert pick_configs(1, 8, E, H, I)[0].get("SWAP_AB") and not any(c[0].get("SWAP_AB") for c in others)
+    for tokens in (1, 9, 100):
+        x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16, generator=g)
+        tw, ids = routing(tokens, E, 8, gen=g)
+        decode = poisoned_call(fused_moe_triton, x, w13, w2, tw, ids)
+        for configs in others:
+            assert torch.equal(fused_moe_triton(x, w13, w2, tw, ids, _configs=configs), decode), (tokens, configs)
+    # Swapped tiles with pointer weight loads (strided weights): the same bits as by TMA.
+    E, H, I = 16, 512, 256
+    w13 = torch.randn(E, 2 * I, 2 * H, device=DEV, dtype=torch.bfloat16, generator=g)[:, :, :H] / H**0.5
+    w2 = torch.randn(E, H, 2 * I, device=DEV, dtype=torch.bfloat16, generator=g)[:, :, :I] / I**0.5
+    x = torch.randn(3, H, device=DEV, dtype=torch.bfloat16, generator=g)
+    tw, ids = routing(3, E, 4, gen=g)
+    assert pick_configs(3, 4, E, H, I)[0].get("SWAP_AB")
+    by_pointer = poisoned_call(fused_moe, x, w13, w2, tw, ids)
+    assert torch.equal(by_pointer, fused_moe(x, w13.contiguous(), w2.contiguous(), tw, ids))
+    assert rel_err(by_pointer, ref_fp32(x, w13, w2, tw, ids)) <= 1e-2
+
+
 def test_nan_stays_in_its_token():
     check_nan_stays_in_its_token(fused_moe, weights_for("Qwen3-235B-A22B"))
 

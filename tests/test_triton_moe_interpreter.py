@@ -131,28 +131,31 @@ def test_nan_stays_in_its_token():
     assert not torch.isnan(others).any()
 
 
-def test_decode_pipeline_depth_fills_the_last_wave():
-    # 384 programs of 80 KB (5 stages of 16 KB) fit 2 per SM: 264 slots, a last wave 45% full, so 73%
-    # of the two waves; at 4 stages 3 per SM hold all 384 in one wave (97%).
-    assert tm._last_wave_fill(384, 5 * 16384) == 384 / 528
-    assert tm._last_wave_fill(384, 4 * 16384) == 384 / 396
-    # The depths the sweep at 616d9e0 measured fastest (1-2 tokens; hidden, inter, experts, top-k).
-    for tokens, shape, stages in [
-        (1, (7168, 2048, 256, 8), 5), (2, (7168, 2048, 256, 8), 5), (1, (5120, 1536, 160, 8), 4),
-        (2, (5120, 1536, 160, 8), 5), (1, (4096, 1536, 128, 8), 4), (1, (2048, 768, 128, 8), 5),
-        (2, (2048, 768, 128, 8), 4),
-    ]:
+def test_decode_regime_swaps_operands_up_to_8_rows_per_expert():
+    # (hidden, inter, experts, top_k) of DeepSeek-V3, Qwen3-30B-A3B, GLM-4.5: 16-row swapped tiles
+    # while the average expert's rows fit half a tile (the sweep at 5767485 had them 18-44% slower
+    # at 16-32 rows per expert), 64-row tiles to 48, then 128-row tiles.
+    for shape in ((7168, 2048, 256, 8), (2048, 768, 128, 8), (5120, 1536, 160, 8)):
         hidden, inter, experts, top_k = shape
-        g1, g2 = tm.pick_configs(tokens, top_k, experts, hidden, inter)
-        assert g1["num_stages"] == g2["num_stages"] == stages, (tokens, shape)
+        for tokens in (1, 2, 8, 32, 128, 512, 2048):
+            g1, g2 = tm.pick_configs(tokens, top_k, experts, hidden, inter)
+            avg = tokens * top_k / experts
+            swapped = avg <= 8
+            assert g1.get("SWAP_AB", False) == g2.get("SWAP_AB", False) == swapped, (shape, tokens)
+            assert g1["BLOCK_M"] == g2["BLOCK_M"] == (16 if swapped else 64 if avg <= 48 else 128)
+            assert (g1["BLOCK_K"], g2["BLOCK_K"]) == ((128, 128) if swapped else (64, 64))
 
 
-def test_pick_configs_static_and_wgmma_sized():
-    for tokens in (1, 8, 32, 128, 512, 2048, 8192):
-        for shape in ((7168, 2048, 256, 8), (2048, 768, 128, 8), (5120, 1536, 160, 8)):
+def test_pick_configs_wgmma_sized():
+    # Hopper runs one matrix instruction (wgmma, M = 64 per warpgroup) in every regime: the M side
+    # is the token rows (>= 64) or, swapped, the weight columns (GEMM1's 2 * BLOCK_N, GEMM2's
+    # BLOCK_N), and every dimension of a dot is >= 16.
+    for tokens in (1, 2, 8, 32, 128, 512, 2048, 8192):
+        for shape in ((7168, 2048, 256, 8), (2048, 768, 128, 8), (5120, 1536, 160, 8), (64, 32, 4, 2)):
             hidden, inter, experts, top_k = shape
             g1, g2 = tm.pick_configs(tokens, top_k, experts, hidden, inter)
-            assert g1["BLOCK_M"] >= 64 and g2["BLOCK_M"] >= 64
-            # K blocking depends on the shape only, never on the token count.
-            assert g1["BLOCK_K"] == tm.pick_configs(1, top_k, experts, hidden, inter)[0]["BLOCK_K"]
-            assert g2["BLOCK_K"] == tm.pick_configs(1, top_k, experts, hidden, inter)[1]["BLOCK_K"]
+            if g1.get("SWAP_AB"):
+                assert 2 * g1["BLOCK_N"] >= 64 and g2["BLOCK_N"] >= 64 and g1["BLOCK_M"] >= 16
+            else:
+                assert g1["BLOCK_M"] >= 64 and g2["BLOCK_M"] >= 64
+            assert min(g1["BLOCK_K"], g2["BLOCK_K"], g1["BLOCK_N"], g2["BLOCK_N"]) >= 16
