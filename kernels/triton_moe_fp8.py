@@ -262,9 +262,9 @@ def pick_configs_fp8(tokens: int, top_k: int, num_local: int, hidden: int, inter
     thread; the warps keep that at 128 (GEMM1's fused gate/up tile is 256 wide: 8 warps at BM = 64).
     Compiled for sm_90a (Triton 3.9, tests/test_triton_moe_fp8_compile.py) these configs use 216-228
     registers and do not spill; the 256-per-thread variants (GEMM1 BM=128 at 8 warps or BM=64 at 4,
-    GEMM2 128x256 at 8) spill. Regimes by average rows per expert, as ``triton_moe.pick_configs``: up
-    to 48 rows, weight streaming (GEMM2 columns narrowed until >= 264 programs read weights, deeper
-    pipelines); beyond, 128-row GEMM2 tiles and grouped program order. Not yet timed on a GPU.
+    GEMM2 128x256 at 8) spill. Regimes by average rows per expert: up to 48 rows, weight streaming
+    (GEMM2 columns narrowed until >= 264 programs read weights, deeper pipelines); beyond, 128-row
+    GEMM2 tiles and grouped program order. Timed on an H200 in loadtest/results/layer_bench_fp8.md.
     """
     avg = tokens * top_k / max(num_local, 1)
     if avg <= 48:
