@@ -440,7 +440,7 @@ def _ep_fp8_gemm2_push_kernel(
     rettab_ptr, rank, rows_per_source,
     E_PAD: tl.constexpr, SCALE_BN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, GROUP_M: tl.constexpr,
-    RNE_FIX: tl.constexpr, ELEM_BYTES: tl.constexpr, PDL: tl.constexpr,
+    SWAP_AB: tl.constexpr, RNE_FIX: tl.constexpr, ELEM_BYTES: tl.constexpr, PDL: tl.constexpr,
 ):
     """``triton_moe_fp8._fp8_gemm2_kernel`` (same arithmetic) with the push epilogue; launched by
     ``launch_fp8_gemm2``."""
@@ -453,7 +453,7 @@ def _ep_fp8_gemm2_push_kernel(
         acc, offs_n, n_ok = _fp8_gemm2_tile(
             actq_ptr, acts_ptr, w_ptr, w_desc, ws_ptr, e, start_e, offs_m, row_ok, pid_n, H, I,
             stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-            SCALE_BN, BLOCK_M, BLOCK_N, EVEN_K, EVEN_N, USE_TMA,
+            SCALE_BN, BLOCK_M, BLOCK_N, EVEN_K, EVEN_N, USE_TMA, SWAP_AB,
         )
         _push_rows(acc, rows, row_ok, offs_n, n_ok, ret_ptr, rettab_ptr, rank, rows_per_source, H,
                    ELEM_BYTES, RNE_FIX)

@@ -35,6 +35,7 @@ import triton.language as tl
 
 from .fp8 import AMAX_FLOOR, BLOCK_SHAPE, FP8_DTYPE, FP8_MAX, check_fused_moe_fp8_args
 from .triton_moe import (
+    _acc_zeros,
     _cast,
     _descriptor,
     _e_pad,
@@ -137,13 +138,27 @@ def _fp8_schedule_quantize_kernel(
 
 
 @triton.jit
+def _scaled_block_dot(a, b, sa, sb, acc, SWAP_AB: tl.constexpr):
+    """``acc += (a @ b) * sa[:, None] * sb[None, :]`` for one 128-deep K block: ``a`` [rows, 128]
+    e4m3 activations with per-row scales ``sa``, ``b`` [128, columns] e4m3 weights with per-column
+    scales ``sb``. ``SWAP_AB`` keeps ``acc`` transposed and puts the weight columns on wgmma's M
+    side (``triton_moe._mma``); the products, their K order and the scaling (fp32 products commute)
+    are the same."""
+    if SWAP_AB:
+        acc += tl.dot(tl.trans(b), tl.trans(a)) * (sb[:, None] * sa[None, :])
+    else:
+        acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+    return acc
+
+
+@triton.jit
 def _fp8_gemm1_kernel(
     xq_ptr, xs_ptr, w_ptr, ws_ptr, actq_ptr, acts_ptr, sorted_rows_ptr, counts_ptr,
     num_local, H, I, num_m,
     stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     IN_DTYPE: tl.constexpr, TOPK: tl.constexpr, E_PAD: tl.constexpr, SCALE_BN: tl.constexpr,
     BLOCK_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, GROUP_M: tl.constexpr,
-    RNE_FIX: tl.constexpr, PDL: tl.constexpr,
+    SWAP_AB: tl.constexpr, RNE_FIX: tl.constexpr, PDL: tl.constexpr,
 ):
     _grid_dependency(PDL)
     in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
@@ -163,16 +178,18 @@ def _fp8_gemm1_kernel(
         as_ptrs = xs_ptr + tok * tl.cdiv(H, _GROUP)
         w_ptrs = w_ptr + e64 * stride_we + w_row[None, :] * stride_wn + offs_k[:, None] * stride_wk
         ws_ptrs = ws_ptr + e64 * stride_se + (w_row // SCALE_BN) * stride_sn
-        acc = tl.zeros([BLOCK_M, 2 * _GROUP], dtype=tl.float32)
+        acc = _acc_zeros(BLOCK_M, 2 * _GROUP, SWAP_AB)
         for kb in range(0, tl.cdiv(H, _GROUP)):
             k_ok = offs_k < H - kb * _GROUP
             a = _load_rows(a_ptrs, row_ok, k_ok, EVEN_K)
             b = _load_cols(w_ptrs, nj_ok, k_ok, EVEN_K, EVEN_N)
             sa = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
             sb = tl.load(ws_ptrs + kb * stride_sk, mask=nj_ok, other=0.0)
-            acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+            acc = _scaled_block_dot(a, b, sa, sb, acc, SWAP_AB)
             a_ptrs += _GROUP
             w_ptrs += _GROUP * stride_wk
+        if SWAP_AB:
+            acc = tl.trans(acc)
         # Same rounding points as the reference: gate/up, then SiLU*up, in the input dtype.
         acc_g, acc_u = tl.split(tl.reshape(acc, [BLOCK_M, _GROUP, 2]))
         gate = _cast(acc_g, IN_DTYPE, RNE_FIX).to(tl.float32)
@@ -191,7 +208,7 @@ def _fp8_gemm2_tile(
     actq_ptr, acts_ptr, w_ptr, w_desc, ws_ptr, e, start_e, offs_m, row_ok, pid_n, H, I,
     stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     SCALE_BN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of FP8 GEMM2 for expert ``e``: fp32 accumulator, columns, mask.
     Shared by every FP8 GEMM2 epilogue (here and the expert-parallel push in ep_cuda.py)."""
@@ -208,7 +225,7 @@ def _fp8_gemm2_tile(
         row_w = e * H + pid_n * BLOCK_N  # row of w2 viewed as [E*H, I]
     else:
         w_ptrs = w_ptr + e64 * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     for kb in range(0, tl.cdiv(I, _GROUP)):
         k_ok = offs_k < I - kb * _GROUP
         a = _load_rows(a_ptrs, row_ok, k_ok, EVEN_K)
@@ -220,8 +237,10 @@ def _fp8_gemm2_tile(
             w_ptrs += _GROUP * stride_wk
         sa = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
         sb = tl.load(ws_ptrs + kb * stride_sk, mask=n_ok, other=0.0)
-        acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+        acc = _scaled_block_dot(a, b, sa, sb, acc, SWAP_AB)
         a_ptrs += _GROUP
+    if SWAP_AB:
+        acc = tl.trans(acc)
     return acc, offs_n, n_ok
 
 
@@ -232,7 +251,7 @@ def _fp8_gemm2_kernel(
     stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     E_PAD: tl.constexpr, SCALE_BN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, GROUP_M: tl.constexpr,
-    RNE_FIX: tl.constexpr, PDL: tl.constexpr,
+    SWAP_AB: tl.constexpr, RNE_FIX: tl.constexpr, PDL: tl.constexpr,
 ):
     _grid_dependency(PDL)
     in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
@@ -243,7 +262,7 @@ def _fp8_gemm2_kernel(
         acc, offs_n, n_ok = _fp8_gemm2_tile(
             actq_ptr, acts_ptr, w_ptr, w_desc, ws_ptr, e, start_e, offs_m, row_ok, pid_n, H, I,
             stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-            SCALE_BN, BLOCK_M, BLOCK_N, EVEN_K, EVEN_N, USE_TMA,
+            SCALE_BN, BLOCK_M, BLOCK_N, EVEN_K, EVEN_N, USE_TMA, SWAP_AB,
         )
         _scatter_rows(acc, rows, row_ok, offs_n, n_ok, y_ptr, H, RNE_FIX)
 
@@ -340,6 +359,7 @@ def launch_fp8_gemm1(
     inter = two_i // 2
     g = dict(config)
     g.setdefault("GROUP_M", 1)
+    g.setdefault("SWAP_AB", False)
     num_m = _max_row_tiles(rows, num_local, g["BLOCK_M"])
     _fp8_gemm1_kernel[(num_m * triton.cdiv(inter, GROUP),)](
         xq, xs, w13, w13_scale, act_q, act_s, sorted_rows, counts,
@@ -371,7 +391,7 @@ def launch_fp8_gemm2(
     dtype, for the ``i``-th scheduled row. ``kernel`` replaces it by a kernel with the same leading
     parameters (the expert-parallel push epilogue), ``extra_args`` / ``extra_constexprs`` its own."""
     num_local, hidden, inter = w2.shape
-    g = _gemm_config(config, act_q, interpret, GROUP_M=1)
+    g = _gemm_config(config, act_q, interpret, GROUP_M=1, SWAP_AB=False)
     bn = g["BLOCK_N"]
     w2_desc = w2
     if g["USE_TMA"]:

@@ -448,12 +448,41 @@ def sweep_variants(tokens, top_k, E, H, I):
     return out
 
 
-def sweep(shapes, points, seed, log, clocks, labels=None, repeats=1):
-    """Time the ``sweep_variants`` (those named in ``labels``, default all) at each (shape, tokens,
-    routing) point, the variants interleaved ``repeats`` times so that slow drift hits all of them alike."""
-    from mok_serve.kernels import triton_moe
+
+def sweep_variants_fp8(tokens, top_k, E, H, I):
+    """Named (GEMM1, GEMM2) config pairs of the FP8 kernels around ``pick_configs_fp8``'s."""
+    from mok_serve.kernels.triton_moe_fp8 import pick_configs_fp8
+
+    d1, d2 = pick_configs_fp8(tokens, top_k, E, H, I)
+
+    def v(d, **kw):
+        return {**d, **kw}
+
+    out = [("default", d1, d2)]
+    if tokens * top_k / E <= 8:
+        # Operands swapped, 16-row token tiles (as the bf16 decode regime): weight tiles fill the
+        # shared memory, so deeper pipelines fit (GEMM1 stage 34 KB, GEMM2 2 KB + 128 B per column).
+        sw1 = v(d1, BLOCK_M=16, num_warps=4, SWAP_AB=True, GROUP_M=1)
+        sw2 = v(d2, BLOCK_M=16, SWAP_AB=True, GROUP_M=1)
+        out += [
+            ("swap", v(sw1, num_stages=4), sw2),
+            ("swap g1", v(sw1, num_stages=4), d2),
+            ("swap g2", d1, sw2),
+            ("swap g1 s6", v(sw1, num_stages=6), sw2),
+            ("swap g1 w8", v(sw1, num_stages=4, num_warps=8), sw2),
+            ("swap g2 s8", v(sw1, num_stages=4), v(sw2, num_stages=8)),
+            ("swap deep", v(sw1, num_stages=6), v(sw2, num_stages=8)),
+        ]
+    return out
+
+def sweep(shapes, points, seed, log, clocks, labels=None, repeats=1, fp8=False):
+    """Time the ``sweep_variants`` (``sweep_variants_fp8`` with ``fp8``; those named in ``labels``,
+    default all) at each (shape, tokens, routing) point, the variants interleaved ``repeats`` times
+    so that slow drift hits all of them alike."""
+    from mok_serve.kernels import fused_moe_fp8_reference, triton_moe
     from mok_serve.kernels.reference import fused_moe_reference
     from mok_serve.kernels.triton_moe import fused_moe_triton
+    from mok_serve.kernels.triton_moe_fp8 import fused_moe_fp8_triton
 
     results = []
     by_shape: dict[str, list[tuple[int, str]]] = {}
@@ -463,22 +492,27 @@ def sweep(shapes, points, seed, log, clocks, labels=None, repeats=1):
         s = shapes[name]
         E, H, I, K = s["routed_experts"], s["hidden"], s["moe_intermediate"], s["top_k"]
         gen = torch.Generator(device="cuda").manual_seed(seed)
-        w13, w2 = random_experts(E, H, I, gen)
+        if fp8:
+            w13q, w13s = random_fp8_weights(E, 2 * I, H, gen)
+            w2q, w2s = random_fp8_weights(E, H, I, gen)
+            weights, op, ref_op = (w13q, w2q, w13s, w2s), fused_moe_fp8_triton, fused_moe_fp8_reference
+        else:
+            weights, op, ref_op = random_experts(E, H, I, gen), fused_moe_triton, fused_moe_reference
         for tokens, routing in toks:
             x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, generator=gen)
             tw, ids = make_routing(tokens, E, K, routing, gen)
-            fl = floor_of(tokens, H, I, K, ids)
-            ref = fused_moe_reference(x, w13, w2, tw, ids)
+            fl = floor_of(tokens, H, I, K, ids, weight_bytes_per_elem=1.0 if fp8 else 2.0)
+            ref = ref_op(x, *weights, tw, ids)
             # Every variant must give the default's output bit for bit (batch invariance holds
             # only if block shapes do not change the arithmetic).
-            default_out = fused_moe_triton(x, w13, w2, tw, ids)
-            variants = [(*v, True) for v in sweep_variants(tokens, K, E, H, I)]
+            default_out = op(x, *weights, tw, ids)
+            variants = [(*v, True) for v in (sweep_variants_fp8 if fp8 else sweep_variants)(tokens, K, E, H, I)]
             variants.append(("no PDL", *variants[0][1:3], False))
             variants = [v for v in variants if labels is None or v[0] in labels]
             for rep, (label, g1, g2, pdl) in ((r, v) for r in range(repeats) for v in variants):
                 triton_moe.PDL = pdl  # read at launch, so it is what the graph captures
                 try:
-                    fn = lambda: fused_moe_triton(x, w13, w2, tw, ids, _configs=(g1, g2))  # noqa: E731
+                    fn = lambda: op(x, *weights, tw, ids, _configs=(g1, g2))  # noqa: E731
                     got = fn()
                     err = rel_err(got, ref)
                     bitwise = bool(torch.equal(got, default_out))
@@ -495,7 +529,7 @@ def sweep(shapes, points, seed, log, clocks, labels=None, repeats=1):
                                     clock=clock))
                 log(f"SWEEP {name:14s} T={tokens:5d} {routing:7s} {label:28s} {ms:8.3f} ms x{ms / fl['floor_ms']:5.2f} err {err:.1e}"
                     f" {clock_text(clock)}{'' if bitwise else ' NOT BITWISE EQUAL TO DEFAULT'}")
-        del w13, w2
+        del weights
         torch.cuda.empty_cache()
     if repeats > 1:
         groups: dict[tuple, list[float]] = {}
@@ -690,7 +724,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-clocks", action="store_true",
                    help="do not sample the SM clock (NVML) while timing; the clock column shows '-'")
     p.add_argument("--fp8", action="store_true",
-                   help="block-FP8 experts (default shapes DeepSeek-V3,Kimi-K2; results layer_bench_fp8.*)")
+                   help="block-FP8 experts (default shapes DeepSeek-V3,Kimi-K2; results layer_bench_fp8.*); "
+                   "with --sweep, the FP8 kernels' variants")
     args = p.parse_args(argv)
     try:  # bad points fail here, before any GPU work
         for key in ("profile", "sweep_points"):
@@ -748,7 +783,7 @@ def run(args, shapes, meta, out, log, clocks) -> int:
     if args.sweep:
         points = args.sweep_points or SWEEP_POINTS
         res = sweep(shapes, [pt for pt in points if pt[0] in shapes], args.seed, log, clocks,
-                    labels=args.sweep_labels, repeats=args.sweep_repeats)
+                    labels=args.sweep_labels, repeats=args.sweep_repeats, fp8=args.fp8)
         (out / f"{args.name}_sweep.json").write_text(json.dumps(dict(meta=meta, results=res), indent=1))
         log(f"sweep done in {time.time() - t0:.0f} s")
         return 0

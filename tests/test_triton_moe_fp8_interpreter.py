@@ -112,6 +112,8 @@ def test_k_block_other_than_128_raises():
     [
         (dict(BLOCK_M=128), dict(BLOCK_M=64, BLOCK_N=32)),
         (dict(BLOCK_M=64, GROUP_M=3), dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=2)),
+        # operands swapped (weight columns on the M side), 16-row token tiles
+        (dict(BLOCK_M=16, SWAP_AB=True), dict(BLOCK_M=16, BLOCK_N=64, SWAP_AB=True)),
     ],
 )
 def test_tile_configs_agree_bitwise(cfg):
