@@ -23,7 +23,8 @@ Computes the function of ``fp8.fused_moe_fp8_reference`` with the structure of `
 Quantization (both places) is ``fp8.py``'s rounding bit for bit: IEEE division (``tl.div_rn``, not
 the approximate ``/``), round to nearest even, NaN propagated into the group's scale.
 Batch invariance: BLOCK_K = 128 everywhere, K blocks in increasing order on one fp32 accumulator,
-no split-K, block sizes from static shapes only, BLOCK_M >= 64 (always wgmma). Out-of-range ids and
+no split-K, block sizes from static shapes only, always wgmma (the token rows on its M side, BLOCK_M
+>= 64, or at decode sizes the weight columns: ``SWAP_AB``, the same products and sums). Out-of-range ids and
 non-local experts are masked by the reused schedule/combine kernels; eagerly the launcher raises.
 """
 
@@ -281,18 +282,28 @@ def pick_configs_fp8(tokens: int, top_k: int, num_local: int, hidden: int, inter
     thread; the warps keep that at 128 (GEMM1's fused gate/up tile is 256 wide: 8 warps at BM = 64).
     Compiled for sm_90a (Triton 3.9, tests/test_triton_moe_fp8_compile.py) these configs use 216-228
     registers and do not spill; the 256-per-thread variants (GEMM1 BM=128 at 8 warps or BM=64 at 4,
-    GEMM2 128x256 at 8) spill. Regimes by average rows per expert: up to 48 rows, weight streaming
-    (GEMM2 columns narrowed until >= 264 programs read weights, deeper pipelines); beyond, 128-row
-    GEMM2 tiles and grouped program order. Timed on an H200 in loadtest/results/layer_bench_fp8.md.
+    GEMM2 128x256 at 8) spill. Regimes by average rows per expert: up to 8, decode: operands swapped
+    (``SWAP_AB``, weight columns on wgmma's M side, 16-row token tiles); up to 48 rows, weight
+    streaming with 64-row tiles (GEMM2 columns narrowed until >= 264 programs read weights, deeper
+    pipelines); beyond, 128-row GEMM2 tiles and grouped program order. Timed on an H200 in
+    loadtest/results/layer_bench_fp8.md.
     """
     avg = tokens * top_k / max(num_local, 1)
     if avg <= 48:
         busy = max(1, min(tokens * top_k, num_local))
+        swap = avg <= 8
         bn2 = 128
-        while bn2 > 32 and busy * triton.cdiv(hidden, bn2) < 264:
+        while bn2 > (64 if swap else 32) and busy * triton.cdiv(hidden, bn2) < 264:
             bn2 //= 2
-        g1 = dict(BLOCK_M=64, num_warps=8, num_stages=4, GROUP_M=1)
-        g2 = dict(BLOCK_M=64, BLOCK_N=bn2, num_warps=4, num_stages=5, USE_TMA=True, GROUP_M=1)
+        if swap:
+            # Decode, as triton_moe's: weight columns on wgmma's M side, 16-row token tiles, so the
+            # shared memory holds weight tiles and GEMM1 fits 6 stages (34 KB each). Sweep at 19e0e05
+            # (sweep_fp8_swap_19e0e05.log, DeepSeek-V3 and Kimi-K2, 1-128 tokens): 14-19% faster.
+            g1 = dict(BLOCK_M=16, num_warps=4, num_stages=6, GROUP_M=1, SWAP_AB=True)
+            g2 = dict(BLOCK_M=16, BLOCK_N=bn2, num_warps=4, num_stages=5, USE_TMA=True, GROUP_M=1, SWAP_AB=True)
+        else:
+            g1 = dict(BLOCK_M=64, num_warps=8, num_stages=4, GROUP_M=1)
+            g2 = dict(BLOCK_M=64, BLOCK_N=bn2, num_warps=4, num_stages=5, USE_TMA=True, GROUP_M=1)
     else:
         g1 = dict(BLOCK_M=64, num_warps=8, num_stages=3, GROUP_M=4)
         g2 = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4, USE_TMA=True, GROUP_M=4)

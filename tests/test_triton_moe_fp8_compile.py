@@ -1,7 +1,8 @@
 """The FP8 Triton kernels compile for Hopper (sm_90a) without a GPU: fp8 wgmma, no register spills.
 
 Compiled as a launch would specialize them (16-byte aligned pointers, ints divisible by 16 marked,
-unit strides constant) with the block sizes ``pick_configs_fp8`` chooses for DeepSeek-V3, then
+unit strides constant) with the block sizes ``pick_configs_fp8`` chooses for DeepSeek-V3 in each
+regime (swapped decode tiles at 1 token, 64-row tiles at 512, 128-row ones at 4096), then
 ``ptxas -v`` reports registers and spills. Runs in a subprocess because the tests' conftest puts
 Triton into interpreter mode on CPU-only machines. The GPU machine's Triton (3.6) may compile
 differently from the one here; this catches type errors, spills and lost wgmma early.
@@ -54,7 +55,7 @@ def build(name, fn, types, ints, consts, num_warps, num_stages):
     results[name] = dict(shared=k.metadata.shared, fp8_wgmma="f32.e4m3.e4m3" in ptx, ptxas=log,
                          grid_dependency="griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx)
 
-for tokens in (1, 4096):
+for tokens in (1, 512, 4096):
     g1, g2 = tf.pick_configs_fp8(tokens, K, E, H, I)
     build(f"gemm1_T{tokens}", tf._fp8_gemm1_kernel,
           dict(xq_ptr=ptr("fp8e4nv"), xs_ptr=ptr("fp32"), w_ptr=ptr("fp8e4nv"), ws_ptr=ptr("fp32"),
@@ -62,7 +63,8 @@ for tokens in (1, 4096):
           dict(num_local=E, H=H, I=I, num_m=1000, stride_we=2 * I * H, stride_wn=H, stride_wk=1,
                stride_se=32 * 56, stride_sn=56, stride_sk=1),
           dict(IN_DTYPE=tl.bfloat16, TOPK=K, E_PAD=E, SCALE_BN=128, BLOCK_M=g1["BLOCK_M"], EVEN_K=True,
-               EVEN_N=True, GROUP_M=g1["GROUP_M"], RNE_FIX=False, PDL=True),
+               EVEN_N=True, GROUP_M=g1["GROUP_M"], SWAP_AB=g1.get("SWAP_AB", False), RNE_FIX=False,
+               PDL=True),
           g1["num_warps"], g1["num_stages"])
     build(f"gemm2_T{tokens}", tf._fp8_gemm2_kernel,
           dict(actq_ptr=ptr("fp8e4nv"), acts_ptr=ptr("fp32"), w_ptr=ptr("fp8e4nv"), ws_ptr=ptr("fp32"),
@@ -71,7 +73,7 @@ for tokens in (1, 4096):
           dict(num_local=E, H=H, I=I, num_m=1000, stride_we=H * I, stride_wn=I, stride_wk=1,
                stride_se=56 * 16, stride_sn=16, stride_sk=1),
           dict(E_PAD=E, SCALE_BN=128, BLOCK_M=g2["BLOCK_M"], BLOCK_N=g2["BLOCK_N"], EVEN_K=True, EVEN_N=True,
-               USE_TMA=True, GROUP_M=g2["GROUP_M"], RNE_FIX=False, PDL=True),
+               USE_TMA=True, GROUP_M=g2["GROUP_M"], SWAP_AB=g2.get("SWAP_AB", False), RNE_FIX=False, PDL=True),
           g2["num_warps"], g2["num_stages"])
 build("schedule_quantize", tf._fp8_schedule_quantize_kernel,
       dict(topk_ids_ptr=ptr("i32"), expert_map_ptr=ptr("i32"), counts_ptr=ptr("i32"), sorted_rows_ptr=ptr("i32"),
