@@ -459,7 +459,15 @@ def sweep_variants_fp8(tokens, top_k, E, H, I):
         return {**d, **kw}
 
     out = [("default", d1, d2)]
-    if tokens * top_k / E <= 8:
+    avg = tokens * top_k / E
+    if 8 < avg <= 32:
+        # Swapped 32-row token tiles: one tile holds an expert's rows up to ~2x the average.
+        m32 = dict(BLOCK_M=32, num_warps=4, SWAP_AB=True, GROUP_M=1)
+        out += [(f"swap m32 s{s1}/{s2}", v(d1, **m32, num_stages=s1), v(d2, **m32, num_stages=s2, BLOCK_N=max(64, d2["BLOCK_N"])))
+                for s1, s2 in ((4, 5), (5, 5), (6, 5))]
+        m16 = dict(m32, BLOCK_M=16)
+        out += [("swap m16 s6/5", v(d1, **m16, num_stages=6), v(d2, **m16, num_stages=5, BLOCK_N=max(64, d2["BLOCK_N"])))]
+    if avg <= 8:
         # Operands swapped, 16-row token tiles (as the bf16 decode regime): weight tiles fill the
         # shared memory, so deeper pipelines fit (GEMM1 stage 34 KB, GEMM2 2 KB + 128 B per column).
         sw1 = v(d1, BLOCK_M=16, num_warps=4, SWAP_AB=True, GROUP_M=1)
