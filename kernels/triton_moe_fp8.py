@@ -282,8 +282,8 @@ def pick_configs_fp8(tokens: int, top_k: int, num_local: int, hidden: int, inter
     thread; the warps keep that at 128 (GEMM1's fused gate/up tile is 256 wide: 8 warps at BM = 64).
     Compiled for sm_90a (Triton 3.9, tests/test_triton_moe_fp8_compile.py) these configs use 216-228
     registers and do not spill; the 256-per-thread variants (GEMM1 BM=128 at 8 warps or BM=64 at 4,
-    GEMM2 128x256 at 8) spill. Regimes by average rows per expert: up to 8, decode: operands swapped
-    (``SWAP_AB``, weight columns on wgmma's M side, 16-row token tiles); up to 48 rows, weight
+    GEMM2 128x256 at 8) spill. Regimes by average rows per expert: up to 16, operands swapped
+    (``SWAP_AB``, weight columns on wgmma's M side, 16- or 32-row token tiles); up to 48 rows, weight
     streaming with 64-row tiles (GEMM2 columns narrowed until >= 264 programs read weights, deeper
     pipelines); beyond, 128-row GEMM2 tiles and grouped program order. Timed on an H200 in
     loadtest/results/layer_bench_fp8.md.
@@ -291,16 +291,19 @@ def pick_configs_fp8(tokens: int, top_k: int, num_local: int, hidden: int, inter
     avg = tokens * top_k / max(num_local, 1)
     if avg <= 48:
         busy = max(1, min(tokens * top_k, num_local))
-        swap = avg <= 8
+        swap = avg <= 16
         bn2 = 128
         while bn2 > (64 if swap else 32) and busy * triton.cdiv(hidden, bn2) < 264:
             bn2 //= 2
         if swap:
-            # Decode, as triton_moe's: weight columns on wgmma's M side, 16-row token tiles, so the
-            # shared memory holds weight tiles and GEMM1 fits 6 stages (34 KB each). Sweep at 19e0e05
-            # (sweep_fp8_swap_19e0e05.log, DeepSeek-V3 and Kimi-K2, 1-128 tokens): 14-19% faster.
-            g1 = dict(BLOCK_M=16, num_warps=4, num_stages=6, GROUP_M=1, SWAP_AB=True)
-            g2 = dict(BLOCK_M=16, BLOCK_N=bn2, num_warps=4, num_stages=5, USE_TMA=True, GROUP_M=1, SWAP_AB=True)
+            # As triton_moe's decode regime: weight columns on wgmma's M side, 16- or 32-row token
+            # tiles, so the shared memory holds weight tiles and GEMM1 fits 6 stages (34-36 KB each).
+            # Sweeps at 19e0e05 and 1ff7aa2 (sweep_fp8_swap_19e0e05.log, sweep_fp8_m32_1ff7aa2.log,
+            # DeepSeek-V3 and Kimi-K2, 1-512 tokens): 12-19% faster than 64-row tiles; 16 rows best up
+            # to 10.7 rows per expert, 32 rows at 16 (where 16-row tiles split more experts in two).
+            bm = 16 if avg <= 12 else 32
+            g1 = dict(BLOCK_M=bm, num_warps=4, num_stages=6, GROUP_M=1, SWAP_AB=True)
+            g2 = dict(BLOCK_M=bm, BLOCK_N=bn2, num_warps=4, num_stages=5, USE_TMA=True, GROUP_M=1, SWAP_AB=True)
         else:
             g1 = dict(BLOCK_M=64, num_warps=8, num_stages=4, GROUP_M=1)
             g2 = dict(BLOCK_M=64, BLOCK_N=bn2, num_warps=4, num_stages=5, USE_TMA=True, GROUP_M=1)

@@ -2,7 +2,8 @@
 
 Compiled as a launch would specialize them (16-byte aligned pointers, ints divisible by 16 marked,
 unit strides constant) with the block sizes ``pick_configs_fp8`` chooses for DeepSeek-V3 in each
-regime (swapped decode tiles at 1 token, 64-row tiles at 512, 128-row ones at 4096), then
+regime (swapped 16- and 32-row tiles at 1 and 512 tokens, 64-row tiles at 1024, 128-row ones at
+4096), then
 ``ptxas -v`` reports registers and spills. Runs in a subprocess because the tests' conftest puts
 Triton into interpreter mode on CPU-only machines. The GPU machine's Triton (3.6) may compile
 differently from the one here; this catches type errors, spills and lost wgmma early.
@@ -55,7 +56,7 @@ def build(name, fn, types, ints, consts, num_warps, num_stages):
     results[name] = dict(shared=k.metadata.shared, fp8_wgmma="f32.e4m3.e4m3" in ptx, ptxas=log,
                          grid_dependency="griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx)
 
-for tokens in (1, 512, 4096):
+for tokens in (1, 512, 1024, 4096):
     g1, g2 = tf.pick_configs_fp8(tokens, K, E, H, I)
     build(f"gemm1_T{tokens}", tf._fp8_gemm1_kernel,
           dict(xq_ptr=ptr("fp8e4nv"), xs_ptr=ptr("fp32"), w_ptr=ptr("fp8e4nv"), ws_ptr=ptr("fp32"),

@@ -77,6 +77,20 @@ def test_deepseek_v3_token_counts():
         assert err <= 3e-2, (tokens, skewed, err)
 
 
+def test_tile_regimes_give_the_same_bits():
+    """Swapped 16- and 32-row tiles, 64- and 128-row tiles: every row gets the same bits."""
+    fp8 = weights_for("DeepSeek-V3")
+    E, H, I = fp8[0].shape[0], fp8[0].shape[2], fp8[1].shape[2]
+    g = torch.Generator(device=DEV).manual_seed(fresh_seed())
+    regimes = [pick_configs_fp8(t, 8, E, H, I) for t in (1, 512, 1024, 4096)]
+    assert [c[0]["BLOCK_M"] for c in regimes] == [16, 32, 64, 64] and regimes[3][1]["BLOCK_M"] == 128
+    for tokens in (3, 200):
+        x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16, generator=g)
+        tw, ids = routing(tokens, E, 8, gen=g)
+        outs = [poisoned_call(fused_moe_fp8_triton, x, *fp8, tw, ids, _configs=c) for c in regimes]
+        assert all(torch.equal(o, outs[0]) for o in outs[1:]), tokens
+
+
 def test_fp16_int64_ids_and_strided_weights():
     q13, q2, s13, s2 = weights_for("Qwen3-30B-A3B")
     q2_strided = q2.transpose(1, 2).contiguous().transpose(1, 2)  # same values, GEMM2 without TMA
