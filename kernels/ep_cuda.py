@@ -346,7 +346,7 @@ def _ep_gemm1_pull_kernel(
     programs of this kernel have claimed, never for a peer."""
     _grid_dependency(PDL)
     in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
-        counts_ptr, num_local, num_m, I, BLOCK_N, E_PAD, BLOCK_M, GROUP_M
+        tl.program_id(0), counts_ptr, num_local, num_m, I, BLOCK_N, E_PAD, BLOCK_M, GROUP_M
     )
     if in_use:
         offs_m, row_ok, rows = _tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
@@ -419,7 +419,7 @@ def _ep_gemm2_push_kernel(
     ``launch_gemm2`` launches it; its own ones follow the strides."""
     _grid_dependency(PDL)
     in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
-        counts_ptr, num_local, num_m, H, BLOCK_N, E_PAD, BLOCK_M, GROUP_M
+        tl.program_id(0), counts_ptr, num_local, num_m, H, BLOCK_N, E_PAD, BLOCK_M, GROUP_M
     )
     if in_use:
         offs_m, row_ok, rows = _tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
@@ -446,7 +446,7 @@ def _ep_fp8_gemm2_push_kernel(
     ``launch_fp8_gemm2``."""
     _grid_dependency(PDL)
     in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
-        counts_ptr, num_local, num_m, H, BLOCK_N, E_PAD, BLOCK_M, GROUP_M
+        tl.program_id(0), counts_ptr, num_local, num_m, H, BLOCK_N, E_PAD, BLOCK_M, GROUP_M
     )
     if in_use:
         offs_m, row_ok, rows = _tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)

@@ -215,13 +215,12 @@ def _program_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _expert_tile(counts_ptr, num_local, num_m, N, BLOCK_N: tl.constexpr,
+def _expert_tile(pid, counts_ptr, num_local, num_m, N, BLOCK_N: tl.constexpr,
                  E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
-    """This program's tile of a grouped GEMM over the scheduled rows (``N`` columns in tiles of
-    ``BLOCK_N``): (tile in use, column tile, expert, first row inside the expert, rows of the
-    expert, expert's first sorted position). Shared by every GEMM kernel here, in
-    triton_moe_fp8.py and in ep_cuda.py."""
-    pid = tl.program_id(0)
+    """Tile ``pid`` (the program id, or a work item of the one-launch decode kernel) of a grouped
+    GEMM over the scheduled rows (``N`` columns in tiles of ``BLOCK_N``): (tile in use, column
+    tile, expert, first row inside the expert, rows of the expert, expert's first sorted
+    position). Shared by every GEMM kernel here, in triton_moe_fp8.py and in ep_cuda.py."""
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _program_tile(pid, num_m, num_n, GROUP_M)
     total, e, m0, count_e, start_e = _tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M)
@@ -276,10 +275,11 @@ def _gemm1_tile(
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-    USE_TMA: tl.constexpr, SWAP_AB: tl.constexpr,
+    USE_TMA: tl.constexpr, SWAP_AB: tl.constexpr, STAGES: tl.constexpr = None,
 ):
     """One [BLOCK_M, BLOCK_N] tile of GEMM1 for expert ``e`` (A rows ``x[tok]``), SiLU(gate) * up
     stored into ``act``. Shared with the expert-parallel GEMM1 that pulls its rows (ep_cuda.py).
+    ``STAGES``: the K loop's pipeline depth (None: the kernel's ``num_stages``).
 
     The B tile is [BLOCK_K, 2*BLOCK_N]: this column tile's gate rows of ``w13`` then its up rows,
     so a single dot (one wgmma chain of width 2*BLOCK_N) makes both; the epilogue splits the
@@ -297,7 +297,7 @@ def _gemm1_tile(
         w_ptrs = (w_ptr + e.to(tl.int64) * stride_we + (n_j + (offs_j // BLOCK_N) * I)[None, :] * stride_wn
                   + offs_k[:, None] * stride_wk)
     acc = _acc_zeros(BLOCK_M, 2 * BLOCK_N, SWAP_AB)
-    for k0 in range(0, H, BLOCK_K):
+    for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
         k_ok = offs_k < H - k0
         a = _load_rows(a_ptrs, row_ok, k_ok, EVEN_K)
         if USE_TMA:
@@ -332,7 +332,7 @@ def _moe_gemm1_kernel(
 ):
     _grid_dependency(PDL)
     in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
-        counts_ptr, num_local, num_m, I, BLOCK_N, E_PAD, BLOCK_M, GROUP_M
+        tl.program_id(0), counts_ptr, num_local, num_m, I, BLOCK_N, E_PAD, BLOCK_M, GROUP_M
     )
     if in_use:
         # HALF_TAIL: an expert's last tile, when half a tile holds its rows, runs as a tile of
@@ -364,13 +364,13 @@ def _gemm1_rows(
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-    USE_TMA: tl.constexpr, SWAP_AB: tl.constexpr,
+    USE_TMA: tl.constexpr, SWAP_AB: tl.constexpr, STAGES: tl.constexpr = None,
 ):
     offs_m, row_ok, rows = _tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
     _gemm1_tile(
         x_ptr, w_ptr, w_desc, act_ptr, (rows // TOPK).to(tl.int64), offs_m, row_ok, pid_n, e, start_e, H, I,
         stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
-        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB,
+        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB, STAGES,
     )
 
 
@@ -380,11 +380,11 @@ def _gemm2_tile(
     stride_we, stride_wn, stride_wk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-    USE_TMA: tl.constexpr, SWAP_AB: tl.constexpr,
+    USE_TMA: tl.constexpr, SWAP_AB: tl.constexpr, STAGES: tl.constexpr = None,
 ):
     """One [BLOCK_M, BLOCK_N] tile of GEMM2 for expert ``e``: fp32 accumulator, columns, mask.
     Shared by every GEMM2 epilogue (here and the expert-parallel push in ep_cuda.py). ``SWAP_AB``:
-    see ``_mma``."""
+    see ``_mma``; ``STAGES``: as in ``_gemm1_tile``."""
     offs_k = tl.arange(0, BLOCK_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
@@ -394,7 +394,7 @@ def _gemm2_tile(
     else:
         w_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
     acc = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
-    for k0 in range(0, I, BLOCK_K):
+    for k0 in tl.range(0, I, BLOCK_K, num_stages=STAGES):
         k_ok = offs_k < I - k0
         a = _load_rows(a_ptrs, row_ok, k_ok, EVEN_K)
         if USE_TMA:
@@ -422,7 +422,7 @@ def _moe_gemm2_kernel(
 ):
     _grid_dependency(PDL)
     in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
-        counts_ptr, num_local, num_m, H, BLOCK_N, E_PAD, BLOCK_M, GROUP_M
+        tl.program_id(0), counts_ptr, num_local, num_m, H, BLOCK_N, E_PAD, BLOCK_M, GROUP_M
     )
     if in_use:
         if HALF_TAIL:  # as in _moe_gemm1_kernel
@@ -452,15 +452,110 @@ def _gemm2_rows(
     stride_we, stride_wn, stride_wk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-    USE_TMA: tl.constexpr, SWAP_AB: tl.constexpr,
+    USE_TMA: tl.constexpr, SWAP_AB: tl.constexpr, STAGES: tl.constexpr = None,
 ):
     offs_m, row_ok, rows = _tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
     acc, offs_n, n_ok = _gemm2_tile(
         act_ptr, w_ptr, w_desc, e, start_e, offs_m, row_ok, pid_n, H, I,
         stride_we, stride_wn, stride_wk,
-        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB,
+        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB, STAGES,
     )
     _scatter_rows(acc, rows, row_ok, offs_n, n_ok, y_ptr, H, DOT_F32)
+
+
+# The one-launch decode kernel's sync words (int32, zeroed by ``_moe_schedule_zero_kernel``): the
+# work-item ticket, the error flag, then one GEMM1 completion count per row tile.
+SYNC_TICKET, SYNC_ERROR, SYNC_TILES = 0, 1, 2
+_SYNC_TICKET, _SYNC_ERROR, _SYNC_TILES = tl.constexpr(SYNC_TICKET), tl.constexpr(SYNC_ERROR), tl.constexpr(SYNC_TILES)
+
+
+@triton.jit
+def _moe_schedule_zero_kernel(
+    topk_ids_ptr, expert_map_ptr, counts_ptr, sorted_rows_ptr,
+    num_rows, num_global, num_local, stride_it, stride_ik,
+    sync_ptr, num_sync,
+    TOPK: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+):
+    """``_moe_schedule_kernel``, plus one program that zeroes the decode kernel's sync words (the
+    previous call's kernel has finished: this one waits for it, see ``_grid_dependency``)."""
+    _grid_dependency(PDL)
+    if tl.program_id(0) < num_local:
+        _moe_schedule_kernel(
+            topk_ids_ptr, expert_map_ptr, counts_ptr, sorted_rows_ptr,
+            num_rows, num_global, num_local, stride_it, stride_ik, TOPK, HAS_MAP, BLOCK, False,
+        )
+    else:
+        offs = tl.arange(0, BLOCK)
+        for start in range(0, num_sync, BLOCK):
+            tl.store(sync_ptr + start + offs, tl.zeros([BLOCK], dtype=tl.int32), mask=start + offs < num_sync)
+
+
+@triton.jit
+def _moe_decode_experts_kernel(
+    x_ptr, w13_ptr, w13_desc, w2_ptr, w2_desc, act_ptr, y_ptr, sorted_rows_ptr, counts_ptr, sync_ptr,
+    num_local, H, I, num_m, max_polls,
+    stride_xt, stride_xh, stride_w13e, stride_w13n, stride_w13k, stride_w2e, stride_w2n, stride_w2k,
+    TOPK: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr, STAGES1: tl.constexpr, EVEN_K1: tl.constexpr,
+    EVEN_N1: tl.constexpr, USE_TMA1: tl.constexpr,
+    BLOCK_N2: tl.constexpr, BLOCK_K2: tl.constexpr, STAGES2: tl.constexpr, EVEN_K2: tl.constexpr,
+    EVEN_N2: tl.constexpr, USE_TMA2: tl.constexpr,
+    DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr, SWAP_AB: tl.constexpr, PDL: tl.constexpr,
+):
+    """GEMM1 and GEMM2 in one launch (decode sizes): no grid-wide barrier between them, so the
+    weight stream does not drain and refill at the boundary, and GEMM2 tiles fill the SMs that
+    GEMM1's last wave leaves idle. Work items are GEMM1's tiles (row tile major) then GEMM2's,
+    handed out by an atomic ticket rather than by program id: a program that draws a GEMM2 item
+    knows that every GEMM1 item was drawn by a program already running, and GEMM1 items wait on
+    nothing, so the waits below always end (no deadlock, whatever order the hardware starts
+    programs in). A GEMM1 tile counts itself done for its row tile (release at GPU scope after
+    a CTA barrier, so every thread's ``act`` stores are ordered before it); a GEMM2 tile waits
+    (acquire, bounded by ``max_polls``) until all GEMM1 column tiles of its row tile are done.
+    A wait that runs out, which only a bug could cause, sets the error word and writes NaN into
+    the tile's rows instead of hanging or computing on unwritten data. Each tile's arithmetic is
+    that of the two-launch kernels, so the bits are the same."""
+    _grid_dependency(PDL)
+    item = tl.atomic_add(sync_ptr + _SYNC_TICKET, 1, sem="relaxed")
+    num_n1 = tl.cdiv(I, BLOCK_N1)
+    gemm1_items = num_m * num_n1
+    if item < gemm1_items:
+        in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
+            item, counts_ptr, num_local, num_m, I, BLOCK_N1, E_PAD, BLOCK_M, 1
+        )
+        if in_use:
+            _gemm1_rows(
+                x_ptr, w13_ptr, w13_desc, act_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
+                stride_xt, stride_xh, stride_w13e, stride_w13n, stride_w13k,
+                TOPK, BLOCK_M, BLOCK_N1, BLOCK_K1, EVEN_K1, EVEN_N1, DOT_IEEE, DOT_F32, USE_TMA1, SWAP_AB, STAGES1,
+            )
+            tl.debug_barrier()
+            tl.atomic_add(sync_ptr + _SYNC_TILES + item // num_n1, 1, sem="release", scope="gpu")
+    else:
+        item2 = item - gemm1_items
+        in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
+            item2, counts_ptr, num_local, num_m, H, BLOCK_N2, E_PAD, BLOCK_M, 1
+        )
+        if in_use:
+            # Scalar atomics: Triton broadcasts their result, so every thread agrees on the loop.
+            done_ptr = sync_ptr + _SYNC_TILES + item2 // tl.cdiv(H, BLOCK_N2)
+            done = tl.atomic_add(done_ptr, 0, sem="acquire", scope="gpu")
+            polls = 0
+            while (done < num_n1) & (polls < max_polls):
+                done = tl.atomic_add(done_ptr, 0, sem="acquire", scope="gpu")
+                polls += 1
+            tl.debug_barrier()
+            if done < num_n1:
+                tl.atomic_xchg(sync_ptr + _SYNC_ERROR, 1, sem="relaxed")
+                offs_m, row_ok, rows = _tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
+                offs_n = pid_n * BLOCK_N2 + tl.arange(0, BLOCK_N2)
+                nan = tl.full([BLOCK_M, BLOCK_N2], float("nan"), dtype=tl.float32)
+                _scatter_rows(nan, rows, row_ok, offs_n, offs_n < H, y_ptr, H, DOT_F32)
+            else:
+                _gemm2_rows(
+                    act_ptr, w2_ptr, w2_desc, y_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
+                    stride_w2e, stride_w2n, stride_w2k,
+                    BLOCK_M, BLOCK_N2, BLOCK_K2, EVEN_K2, EVEN_N2, DOT_IEEE, DOT_F32, USE_TMA2, SWAP_AB, STAGES2,
+                )
 
 
 @triton.jit
@@ -594,6 +689,9 @@ def _interpreting() -> bool:
 # Programmatic dependent launch for every kernel of a call (``_grid_dependency``); ``MOK_PDL=0``
 # launches them the ordinary way.
 PDL = os.environ.get("MOK_PDL", "1") not in ("", "0")
+# Both GEMMs as one launch at decode sizes (``one_launch_decode``); ``MOK_DECODE_ONE_LAUNCH=0``
+# runs them as two.
+ONE_LAUNCH_DECODE = os.environ.get("MOK_DECODE_ONE_LAUNCH", "1") not in ("", "0")
 
 
 @functools.lru_cache(maxsize=None)
@@ -622,6 +720,29 @@ def _gemm_config(config: dict, act: torch.Tensor, interpret: bool, **defaults) -
         g.setdefault(key, value)
     g["USE_TMA"] = bool(g.get("USE_TMA", False)) and not interpret and act.is_cuda and act.dtype != torch.float32
     return g
+
+
+def _w13_operand(w13: torch.Tensor, g: dict):
+    """GEMM1's weight operand for config ``g``: a TMA descriptor of ``w13`` viewed as [E, 2, I, H]
+    (one box holds a column tile's gate rows then its up rows), or ``w13`` itself for pointer loads
+    (``g["USE_TMA"]`` is turned off where TMA cannot read it)."""
+    if g["USE_TMA"]:
+        if _tma_ok(w13):
+            num_local, two_i, hidden = w13.shape
+            return _descriptor(w13.view(num_local, 2, two_i // 2, hidden), [1, 2, g["BLOCK_N"], g["BLOCK_K"]])
+        g["USE_TMA"] = False
+    return w13
+
+
+def _w2_operand(w2: torch.Tensor, g: dict, block_k: int):
+    """GEMM2's weight operand (bf16 or FP8), as ``_w13_operand``: a TMA descriptor of ``w2`` viewed
+    as [E*H, I] with [BLOCK_N, block_k] boxes, or ``w2``."""
+    if g["USE_TMA"]:
+        if _tma_ok(w2):
+            num_local, hidden, inter = w2.shape
+            return _descriptor(w2.view(num_local * hidden, inter), [g["BLOCK_N"], block_k])
+        g["USE_TMA"] = False
+    return w2
 
 
 def _e_pad(num_local: int) -> int:
@@ -683,12 +804,7 @@ def launch_gemm1(
     if kernel is not None:
         g.pop("HALF_TAIL")  # the expert-parallel kernels always run full tiles
     bm, bn = g["BLOCK_M"], g["BLOCK_N"]
-    w13_desc = w13
-    if g["USE_TMA"]:
-        if _tma_ok(w13):
-            w13_desc = _descriptor(w13.view(num_local, 2, inter, hidden), [1, 2, bn, g["BLOCK_K"]])
-        else:
-            g["USE_TMA"] = False
+    w13_desc = _w13_operand(w13, g)
     num_m = _max_row_tiles(rows, num_local, bm)
     (_moe_gemm1_kernel if kernel is None else kernel)[(num_m * triton.cdiv(inter, bn),)](
         x, w13, w13_desc, act, sorted_rows, counts,
@@ -723,12 +839,7 @@ def launch_gemm2(
     if kernel is not None:
         g.pop("HALF_TAIL")  # the expert-parallel kernels always run full tiles
     bm, bn = g["BLOCK_M"], g["BLOCK_N"]
-    w2_desc = w2
-    if g["USE_TMA"]:
-        if _tma_ok(w2):
-            w2_desc = _descriptor(w2.view(num_local * hidden, inter), [bn, g["BLOCK_K"]])
-        else:
-            g["USE_TMA"] = False
+    w2_desc = _w2_operand(w2, g, g["BLOCK_K"])
     num_m = _max_row_tiles(rows, num_local, bm)
     (_moe_gemm2_kernel if kernel is None else kernel)[(num_m * triton.cdiv(hidden, bn),)](
         act, w2, w2_desc, y, sorted_rows, counts,
@@ -738,6 +849,66 @@ def launch_gemm2(
         EVEN_K=inter % g["BLOCK_K"] == 0, EVEN_N=hidden % bn == 0,
         DOT_IEEE=act.dtype == torch.float32 or interpret, DOT_F32=interpret,
         **pdl_launch(act), **extra_constexprs, **g,
+    )
+
+
+# Polls of a GEMM2 tile's wait in the one-launch decode kernel (an L2 round trip each, about a
+# microsecond): seconds, where a wait that ends lasts at most one GEMM1 tile.
+DECODE_MAX_POLLS = 1 << 22
+
+
+def one_launch_decode(g1: dict, g2: dict) -> bool:
+    """Whether ``fused_moe_triton`` runs both GEMMs of a call with these configs as one launch
+    (``_moe_decode_experts_kernel``): at decode sizes (swapped tiles, one row-tile height and warp
+    count for both), unless ``ONE_LAUNCH_DECODE`` is off (``MOK_DECODE_ONE_LAUNCH=0``)."""
+    return (ONE_LAUNCH_DECODE and g1.get("SWAP_AB", False) and g2.get("SWAP_AB", False)
+            and g1["BLOCK_M"] == g2["BLOCK_M"] and g1["num_warps"] == g2["num_warps"])
+
+
+def decode_sync_words(rows: int, num_local: int, block_m: int) -> int:
+    """Int32 sync words of a one-launch decode call (ticket, error flag, a count per row tile)."""
+    return SYNC_TILES + _max_row_tiles(rows, num_local, block_m)
+
+
+def launch_decode_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    act: torch.Tensor,
+    y: torch.Tensor,
+    sorted_rows: torch.Tensor,
+    counts: torch.Tensor,
+    sync: torch.Tensor,
+    rows: int,
+    top_k: int,
+    configs: tuple[dict, dict],
+    *,
+    interpret: bool,
+    max_polls: int = DECODE_MAX_POLLS,
+) -> None:
+    """``_moe_decode_experts_kernel``: ``launch_gemm1`` then ``launch_gemm2`` in one launch, with
+    ``sync`` (``decode_sync_words`` int32 words) zeroed by ``_moe_schedule_zero_kernel`` in this
+    call's schedule launch. ``configs``: ``pick_configs``' pair, ``one_launch_decode`` true."""
+    num_local, two_i, hidden = w13.shape
+    inter = two_i // 2
+    g1 = _gemm_config(configs[0], act, interpret)
+    g2 = _gemm_config(configs[1], act, interpret)
+    w13_desc = _w13_operand(w13, g1)
+    w2_desc = _w2_operand(w2, g2, g2["BLOCK_K"])
+    bm, bn1, bk1, bn2, bk2 = g1["BLOCK_M"], g1["BLOCK_N"], g1["BLOCK_K"], g2["BLOCK_N"], g2["BLOCK_K"]
+    num_m = _max_row_tiles(rows, num_local, bm)
+    assert sync.numel() == SYNC_TILES + num_m and sync.dtype == torch.int32
+    _moe_decode_experts_kernel[(num_m * (triton.cdiv(inter, bn1) + triton.cdiv(hidden, bn2)),)](
+        x, w13, w13_desc, w2, w2_desc, act, y, sorted_rows, counts, sync,
+        num_local, hidden, inter, num_m, max_polls,
+        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), w2.stride(0), w2.stride(1), w2.stride(2),
+        TOPK=top_k, E_PAD=_e_pad(num_local), BLOCK_M=bm,
+        BLOCK_N1=bn1, BLOCK_K1=bk1, STAGES1=g1["num_stages"], EVEN_K1=hidden % bk1 == 0, EVEN_N1=inter % bn1 == 0,
+        USE_TMA1=g1["USE_TMA"],
+        BLOCK_N2=bn2, BLOCK_K2=bk2, STAGES2=g2["num_stages"], EVEN_K2=inter % bk2 == 0, EVEN_N2=hidden % bn2 == 0,
+        USE_TMA2=g2["USE_TMA"],
+        DOT_IEEE=act.dtype == torch.float32 or interpret, DOT_F32=interpret, SWAP_AB=g1["SWAP_AB"],
+        num_warps=g1["num_warps"], num_stages=g1["num_stages"], **pdl_launch(act),
     )
 
 
@@ -828,9 +999,16 @@ def fused_moe_triton(
     act = torch.empty((rows, inter), dtype=hidden_states.dtype, device=dev)
     y = torch.empty((rows, hidden), dtype=hidden_states.dtype, device=dev)
 
-    launch_schedule(topk_ids, expert_map, counts, sorted_rows, num_local, num_global)
     g1, g2 = _configs if _configs is not None else pick_configs(tokens, top_k, num_local, hidden, inter)
-    launch_gemm1(hidden_states, w13, act, sorted_rows, counts, rows, top_k, g1, interpret=interpret)
-    launch_gemm2(act, w2, y, sorted_rows, counts, rows, g2, interpret=interpret)
+    if one_launch_decode(g1, g2):
+        sync = torch.empty(decode_sync_words(rows, num_local, g1["BLOCK_M"]), dtype=torch.int32, device=dev)
+        launch_schedule(topk_ids, expert_map, counts, sorted_rows, num_local, num_global,
+                        kernel=_moe_schedule_zero_kernel, extra_programs=1, extra_args=(sync, sync.numel()))
+        launch_decode_experts(hidden_states, w13, w2, act, y, sorted_rows, counts, sync, rows, top_k, (g1, g2),
+                              interpret=interpret)
+    else:
+        launch_schedule(topk_ids, expert_map, counts, sorted_rows, num_local, num_global)
+        launch_gemm1(hidden_states, w13, act, sorted_rows, counts, rows, top_k, g1, interpret=interpret)
+        launch_gemm2(act, w2, y, sorted_rows, counts, rows, g2, interpret=interpret)
     launch_combine(y, out, topk_ids, topk_weights, expert_map, num_local, num_global, interpret=interpret)
     return out

@@ -38,7 +38,6 @@ from .fp8 import AMAX_FLOOR, BLOCK_SHAPE, FP8_DTYPE, FP8_MAX, check_fused_moe_fp
 from .triton_moe import (
     _acc_zeros,
     _cast,
-    _descriptor,
     _e_pad,
     _expert_tile,
     _gemm_config,
@@ -51,7 +50,7 @@ from .triton_moe import (
     _moe_schedule_kernel,
     _scatter_rows,
     _tile_rows,
-    _tma_ok,
+    _w2_operand,
     launch_combine,
     launch_schedule,
     pdl_launch,
@@ -163,7 +162,7 @@ def _fp8_gemm1_kernel(
 ):
     _grid_dependency(PDL)
     in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
-        counts_ptr, num_local, num_m, I, _GROUP, E_PAD, BLOCK_M, GROUP_M
+        tl.program_id(0), counts_ptr, num_local, num_m, I, _GROUP, E_PAD, BLOCK_M, GROUP_M
     )
     if in_use:
         offs_m, row_ok, rows = _tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
@@ -256,7 +255,7 @@ def _fp8_gemm2_kernel(
 ):
     _grid_dependency(PDL)
     in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
-        counts_ptr, num_local, num_m, H, BLOCK_N, E_PAD, BLOCK_M, GROUP_M
+        tl.program_id(0), counts_ptr, num_local, num_m, H, BLOCK_N, E_PAD, BLOCK_M, GROUP_M
     )
     if in_use:
         offs_m, row_ok, rows = _tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
@@ -407,12 +406,7 @@ def launch_fp8_gemm2(
     num_local, hidden, inter = w2.shape
     g = _gemm_config(config, act_q, interpret, GROUP_M=1, SWAP_AB=False)
     bn = g["BLOCK_N"]
-    w2_desc = w2
-    if g["USE_TMA"]:
-        if _tma_ok(w2):
-            w2_desc = _descriptor(w2.view(num_local * hidden, inter), [bn, GROUP])
-        else:
-            g["USE_TMA"] = False
+    w2_desc = _w2_operand(w2, g, GROUP)
     num_m = _max_row_tiles(rows, num_local, g["BLOCK_M"])
     (_fp8_gemm2_kernel if kernel is None else kernel)[(num_m * triton.cdiv(hidden, bn),)](
         act_q, act_s, w2, w2_desc, w2_scale, y, sorted_rows, counts,

@@ -389,7 +389,8 @@ def _cfg(bm, bn, warps, stages, bk, **kw):
 
 def sweep_variants(tokens, top_k, E, H, I):
     """Named (GEMM1, GEMM2) config pairs around the default: gate/up fused into one dot, TMA weights.
-    The sweep also times the default with the kernels launched the ordinary way ("no PDL")."""
+    The sweep also times the default with the kernels launched the ordinary way ("no PDL") and, at
+    decode sizes, with both GEMMs as two launches ("two launches")."""
     from mok_serve.kernels.triton_moe import pick_configs
 
     d1, d2 = pick_configs(tokens, top_k, E, H, I)
@@ -415,20 +416,20 @@ def sweep_variants(tokens, top_k, E, H, I):
             ("g2 2/SM", d1, v(d2, BLOCK_N=128, num_stages=3)),
         ]
     elif d1.get("SWAP_AB"):
+        # Decode: both GEMMs in one launch (the sweep adds the default as two launches). One
+        # program's shared memory is the larger GEMM's: a GEMM2 tile of 256 columns with 3 stages
+        # (~204 KB) leaves room for one program per SM, 128 columns (~108 KB) for two.
         bn1, bn2 = d1["BLOCK_N"], d2["BLOCK_N"]
         out += [
-            # What decode ran before 16-row swapped tiles: 64-row tiles, 64-deep K blocks, 4 stages.
-            ("unswapped", v(d1, BLOCK_M=64, SWAP_AB=False, BLOCK_K=64, num_stages=4),
-             v(d2, BLOCK_M=64, SWAP_AB=False, BLOCK_K=64, num_stages=4)),
             ("g1 s4", v(d1, num_stages=4), d2),
             ("g1 s5", v(d1, num_stages=5), d2),
             ("g2 s2", d1, v(d2, num_stages=2)),
+            ("g2 s4", d1, v(d2, num_stages=4)),
             # Column width sets the programs per weight matrix (2 * BLOCK_N >= 64: wgmma's M side).
             ("g1 n*2", v(d1, BLOCK_N=min(128, bn1 * 2)), d2),
             ("g2 n/2", d1, v(d2, BLOCK_N=max(64, bn2 // 2))),
+            ("g2 n/2 s4", d1, v(d2, BLOCK_N=max(64, bn2 // 2), num_stages=4)),
             ("g2 n*2", d1, v(d2, BLOCK_N=min(256, bn2 * 2))),
-            # Taller token tiles (the N side).
-            ("m32", v(d1, BLOCK_M=32, num_stages=5), d2),
         ]
     else:
         bn1, bn2 = d1["BLOCK_N"], d2["BLOCK_N"]
@@ -514,11 +515,16 @@ def sweep(shapes, points, seed, log, clocks, labels=None, repeats=1, fp8=False):
             # Every variant must give the default's output bit for bit (batch invariance holds
             # only if block shapes do not change the arithmetic).
             default_out = op(x, *weights, tw, ids)
-            variants = [(*v, True) for v in (sweep_variants_fp8 if fp8 else sweep_variants)(tokens, K, E, H, I)]
-            variants.append(("no PDL", *variants[0][1:3], False))
+            variants = [(*v, {}) for v in (sweep_variants_fp8 if fp8 else sweep_variants)(tokens, K, E, H, I)]
+            variants.append(("no PDL", *variants[0][1:3], {"PDL": False}))
+            if triton_moe.one_launch_decode(*variants[0][1:3]) and not fp8:
+                variants.append(("two launches", *variants[0][1:3], {"ONE_LAUNCH_DECODE": False}))
             variants = [v for v in variants if labels is None or v[0] in labels]
-            for rep, (label, g1, g2, pdl) in ((r, v) for r in range(repeats) for v in variants):
-                triton_moe.PDL = pdl  # read at launch, so it is what the graph captures
+            for rep, (label, g1, g2, switches) in ((r, v) for r in range(repeats) for v in variants):
+                # Module switches of triton_moe, read at launch (so what the graph captures).
+                saved = {k: getattr(triton_moe, k) for k in switches}
+                for k, value in switches.items():
+                    setattr(triton_moe, k, value)
                 try:
                     fn = lambda: op(x, *weights, tw, ids, _configs=(g1, g2))  # noqa: E731
                     got = fn()
@@ -529,7 +535,8 @@ def sweep(shapes, points, seed, log, clocks, labels=None, repeats=1, fp8=False):
                     log(f"  {name} T={tokens} {routing} {label}: failed {type(exc).__name__}: {str(exc)[:200]}")
                     continue
                 finally:
-                    triton_moe.PDL = True
+                    for k, value in saved.items():
+                        setattr(triton_moe, k, value)
                 if how != "graph":
                     log(f"  {name} T={tokens} {routing} {label}: timed eagerly")
                 results.append(dict(shape=name, tokens=tokens, routing=routing, label=label, g1=g1, g2=g2, ms=ms,

@@ -151,3 +151,47 @@ def check_nan_stays_in_its_token(op, experts):
         out = op(x, *experts, tw, ids)
         assert torch.isnan(out[2]).all()
         assert not torch.isnan(torch.cat([out[:2], out[3:]])).any()
+
+
+# ---------------------------------------------------- one-launch decode kernel (CPU and GPU tests)
+
+
+def check_decode_one_launch_bits(tm, x, w13, w2, tw, ids, expert_map=None):
+    """At decode sizes both GEMMs run as one launch and give the bits of the two launches;
+    ``tm`` is the triton_moe module (the interpreter tests reload it). Returns the output."""
+    tokens, hidden = x.shape
+    num_local, two_i, _ = w13.shape
+    assert tm.one_launch_decode(*tm.pick_configs(tokens, ids.shape[1], num_local, hidden, two_i // 2))
+    one = tm.fused_moe_triton(x, w13, w2, tw, ids, expert_map=expert_map)
+    tm.ONE_LAUNCH_DECODE = False
+    try:
+        two = tm.fused_moe_triton(x, w13, w2, tw, ids, expert_map=expert_map)
+    finally:
+        tm.ONE_LAUNCH_DECODE = True
+    assert torch.equal(one, two)
+    return one
+
+
+def check_decode_wait_gives_up(tm, x, w13, w2, ids):
+    """A GEMM2 tile of the one-launch decode kernel whose GEMM1 tiles never run (their tickets
+    taken beforehand) stops waiting after ``max_polls``: the error word is set and its rows of
+    ``y`` are NaN; nothing hangs. Needs at least one scheduled row."""
+    tokens, hidden = x.shape
+    num_local, two_i, _ = w13.shape
+    inter, top_k = two_i // 2, ids.shape[1]
+    rows = tokens * top_k
+    g1, g2 = tm.pick_configs(tokens, top_k, num_local, hidden, inter)
+    counts = torch.empty(num_local, dtype=torch.int32, device=x.device)
+    sorted_rows = torch.empty(rows, dtype=torch.int32, device=x.device)
+    sync = torch.full((tm.decode_sync_words(rows, num_local, g1["BLOCK_M"]),), 7, dtype=torch.int32, device=x.device)
+    tm.launch_schedule(ids, None, counts, sorted_rows, num_local, num_local, kernel=tm._moe_schedule_zero_kernel,
+                       extra_programs=1, extra_args=(sync, sync.numel()))
+    assert int(sync.abs().sum()) == 0, "the schedule launch zeroes the sync words"
+    num_m = sync.numel() - tm.SYNC_TILES
+    sync[tm.SYNC_TICKET] = num_m * -(-inter // g1["BLOCK_N"])  # every GEMM1 item already drawn
+    act = torch.zeros(rows, inter, dtype=x.dtype, device=x.device)
+    y = torch.zeros(rows, hidden, dtype=x.dtype, device=x.device)
+    tm.launch_decode_experts(x, w13, w2, act, y, sorted_rows, counts, sync, rows, top_k, (g1, g2),
+                             interpret=tm._interpreting(), max_polls=3)
+    assert int(sync[tm.SYNC_ERROR]) == 1
+    assert torch.isnan(y).all(), "every scheduled row's GEMM2 tile gave up"

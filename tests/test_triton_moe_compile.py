@@ -1,5 +1,5 @@
 """The bf16 Triton GEMMs compile for Hopper (sm_90a) without a GPU, in every regime of
-``pick_configs``: bf16 wgmma (what batch invariance rests on: the same instruction whether the token
+``pick_configs`` (at decode sizes also as the one-launch kernel of both): bf16 wgmma (what batch invariance rests on: the same instruction whether the token
 rows or, swapped at decode sizes, the weight columns are its M side), no register spills, shared
 memory within an SM's 227 KB. Same method as tests/test_triton_moe_fp8_compile.py: compiled as a
 launch would specialize them, in a subprocess (the conftest puts Triton in interpreter mode on CPU
@@ -73,6 +73,17 @@ for shape, H, I, E, K in (("ds", 7168, 2048, 256, 8), ("qwen30", 2048, 768, 128,
                    y_ptr=ptr("bf16"), sorted_rows_ptr=ptr("i32"), counts_ptr=ptr("i32")),
               dict(num_local=E, H=H, I=I, num_m=1000, stride_we=H * I, stride_wn=I, stride_wk=1),
               dict(common(g2), E_PAD=E), g2["num_warps"], g2["num_stages"])
+        if tm.one_launch_decode(g1, g2):
+            build(f"{shape}_decode_experts_T{tokens}", tm._moe_decode_experts_kernel,
+                  dict(x_ptr=ptr("bf16"), w13_ptr=ptr("bf16"), w13_desc=f"tensordesc<bf16[1, 2, {bn1}, {bk1}]>",
+                       w2_ptr=ptr("bf16"), w2_desc=f"tensordesc<bf16[{bn2}, {bk2}]>", act_ptr=ptr("bf16"),
+                       y_ptr=ptr("bf16"), sorted_rows_ptr=ptr("i32"), counts_ptr=ptr("i32"), sync_ptr=ptr("i32")),
+                  dict(num_local=E, H=H, I=I, num_m=1000, max_polls=1000, stride_xt=H, stride_xh=1,
+                       stride_w13e=2 * I * H, stride_w13n=H, stride_w13k=1, stride_w2e=H * I, stride_w2n=I, stride_w2k=1),
+                  dict(TOPK=K, E_PAD=E, BLOCK_M=g1["BLOCK_M"], SWAP_AB=True, DOT_IEEE=False, DOT_F32=False, PDL=True,
+                       BLOCK_N1=bn1, BLOCK_K1=bk1, STAGES1=g1["num_stages"], EVEN_K1=True, EVEN_N1=True, USE_TMA1=True,
+                       BLOCK_N2=bn2, BLOCK_K2=bk2, STAGES2=g2["num_stages"], EVEN_K2=True, EVEN_N2=True, USE_TMA2=True),
+                  g1["num_warps"], g1["num_stages"])
 print(json.dumps(results))
 """
 
@@ -86,7 +97,8 @@ def test_gemms_compile_for_sm90_with_bf16_wgmma_in_every_regime(tmp_path):
         pytest.skip("this Triton has no get_ptxas")
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == 20
+    # Two GEMMs at five token counts for two shapes, and the one-launch decode kernel at 1, 2 and 128 tokens.
+    assert len(results) == 26
     for name, r in results.items():
         print(name, r["shared"], r["ptxas"].strip().splitlines()[-2:])
         assert "0 bytes spill stores, 0 bytes spill loads" in r["ptxas"], (name, r["ptxas"])

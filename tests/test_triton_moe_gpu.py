@@ -16,11 +16,12 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("triton")
 
-from mok_serve.kernels import fused_moe  # noqa: E402
+from mok_serve.kernels import fused_moe, triton_moe  # noqa: E402
 from mok_serve.kernels.triton_moe import fused_moe_triton, pick_configs  # noqa: E402
 from moe_test_utils import (  # noqa: E402
-    DEV, FAMILIES, SHAPES, cached_weights, check_batch_invariant, check_graph_replay, check_nan_stays_in_its_token,
-    fresh_seed, poisoned_call, rel_err, routing,
+    DEV, FAMILIES, SHAPES, cached_weights, check_batch_invariant, check_decode_one_launch_bits,
+    check_decode_wait_gives_up, check_graph_replay, check_nan_stays_in_its_token, fresh_seed, poisoned_call, rel_err,
+    routing,
 )
 
 
@@ -181,6 +182,29 @@ def test_tile_regimes_give_the_same_bits():
     by_pointer = poisoned_call(fused_moe, x, w13, w2, tw, ids)
     assert torch.equal(by_pointer, fused_moe(x, w13.contiguous(), w2.contiguous(), tw, ids))
     assert rel_err(by_pointer, ref_fp32(x, w13, w2, tw, ids)) <= 1e-2
+
+
+def test_decode_one_launch_gives_the_two_launches_bits():
+    """Both GEMMs as one launch at decode sizes (GEMM2 tiles wait on GEMM1's row tiles inside the
+    kernel): the same bits as two launches, and the float32 reference, for every family at 1, 8
+    and 100 tokens (uniform and skewed routing: the hot expert runs many 16-row tiles) and with an
+    expert map; a wait that never ends gives up (error word, NaN rows) instead of hanging."""
+    g = torch.Generator(device=DEV).manual_seed(fresh_seed())
+    for family in FAMILIES:
+        w13, w2 = weights_for(family)
+        E, H = w13.shape[0], w13.shape[2]
+        for tokens in (1, 8, 100):
+            for skewed in (False, True):
+                x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16, generator=g)
+                tw, ids = routing(tokens, E, 8, skewed=skewed, gen=g)
+                out = check_decode_one_launch_bits(triton_moe, x, w13, w2, tw, ids)
+                assert rel_err(out, ref_fp32(x, w13, w2, tw, ids)) <= 1e-2, (family, tokens, skewed)
+        expert_map = torch.randperm(2 * E, device=DEV, generator=g).to(torch.int32)
+        expert_map = torch.where(expert_map < E, expert_map, -1).to(torch.int32)
+        tw, ids = routing(8, 2 * E, 8, gen=g)
+        out = check_decode_one_launch_bits(triton_moe, x[:8], w13, w2, tw, ids, expert_map)
+        assert rel_err(out, ref_fp32(x[:8], w13, w2, tw, ids, expert_map)) <= 1e-2, (family, "expert map")
+    check_decode_wait_gives_up(triton_moe, x[:3], w13, w2, routing(3, E, 8, gen=g)[1])
 
 
 def test_nan_stays_in_its_token():

@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton")
 
 from mok_serve.kernels import fused_moe_reference  # noqa: E402
 from mok_serve.kernels import triton_moe as tm  # noqa: E402
-from moe_test_utils import make_inputs, rel_err  # noqa: E402
+from moe_test_utils import check_decode_one_launch_bits, check_decode_wait_gives_up, make_inputs, rel_err  # noqa: E402
 
 if not hasattr(tm._moe_gemm1_kernel, "fn") or type(tm._moe_gemm1_kernel).__name__ != "InterpretedFunction":
     import importlib
@@ -159,3 +159,23 @@ def test_pick_configs_wgmma_sized():
             else:
                 assert g1["BLOCK_M"] >= 64 and g2["BLOCK_M"] >= 64
             assert min(g1["BLOCK_K"], g2["BLOCK_K"], g1["BLOCK_N"], g2["BLOCK_N"]) >= 16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_one_launch_gives_the_two_launches_bits(dtype):
+    # Decode sizes (<= 8 rows per expert on average). Expert 0 gets 36 rows (three 16-row tiles),
+    # so GEMM2 tiles of one expert wait on different row tiles; an expert map hides two experts.
+    x, w13, w2, weights, ids = make_inputs(36, 48, 40, 16, 3, dtype, seed=21)
+    ids[:, 0] = 0
+    out = check_decode_one_launch_bits(tm, x, w13, w2, weights, ids)
+    assert rel_err(out, fused_moe_reference(x, w13, w2, weights, ids)) <= TOL[dtype]
+    expert_map = torch.tensor([0, -1, 1, 2, 3, -1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], dtype=torch.int32)
+    local = 14
+    out = check_decode_one_launch_bits(tm, x, w13[:local], w2[:local], weights, ids, expert_map)
+    ref = fused_moe_reference(x, w13[:local], w2[:local], weights, ids, expert_map=expert_map)
+    assert rel_err(out, ref) <= TOL[dtype]
+
+
+def test_decode_wait_gives_up_with_nan_rows_and_the_error_word():
+    x, w13, w2, _, ids = make_inputs(3, 32, 16, 4, 2, torch.float32, seed=4)
+    check_decode_wait_gives_up(tm, x, w13, w2, ids)
