@@ -599,7 +599,8 @@ def _kdim_block(k_dim: int, most: int = 64) -> int:
     return min(most, max(16, triton.next_power_of_2(k_dim)))
 
 
-def pick_configs(tokens: int, top_k: int, num_local: int, hidden: int, inter: int) -> tuple[dict, dict]:
+def pick_configs(tokens: int, top_k: int, num_local: int, hidden: int, inter: int, *,
+                 one_launch: bool = False) -> tuple[dict, dict]:
     """(GEMM1 config, GEMM2 config) for a call; depends on shapes only, never on device values.
 
     Regimes by the average rows per expert (``tokens * top_k / experts``, a static quantity):
@@ -609,6 +610,9 @@ def pick_configs(tokens: int, top_k: int, num_local: int, hidden: int, inter: in
     128-row tiles, 128x256 output tiles. Measured on an H200 (kernels/NOTES.md). Every regime gives
     the same bits for a row: each output element chains the same 16-deep wgmma k-steps on one fp32
     accumulator in K order, whatever the tile shape, the operand order or the K block.
+
+    ``one_launch``: at decode sizes, configs for both GEMMs in one launch (``ONE_LAUNCH`` in GEMM1's
+    config, see ``one_launch_decode``); elsewhere it changes nothing.
     """
     rows = tokens * top_k
     avg = rows / max(num_local, 1)
@@ -624,8 +628,16 @@ def pick_configs(tokens: int, top_k: int, num_local: int, hidden: int, inter: in
         while bn1 > 32 and busy * triton.cdiv(inter, bn1) < 2 * _SMS:  # 2 * BLOCK_N >= 64: wgmma's M
             bn1 //= 2
         bn2 = _gemm2_columns(busy, hidden, few, least=64)
+        stages1 = 6
         tile = dict(BLOCK_M=16, num_warps=4, USE_TMA=True, SWAP_AB=True)
-        return (dict(BLOCK_N=bn1, BLOCK_K=_kdim_block(hidden, 128), num_stages=6, **tile),
+        if one_launch:
+            # One kernel holds both GEMMs, so a program's shared memory is the larger one's: keep
+            # both within half an SM (GEMM1 64 columns at 4 stages, GEMM2 128 columns at 3: ~110 KB)
+            # so that two programs per SM run either (one_launch sweep at a8aadca).
+            bn2 = min(bn2, 128)
+            stages1 = 6 if bn1 == 32 else 4
+            tile["ONE_LAUNCH"] = True
+        return (dict(BLOCK_N=bn1, BLOCK_K=_kdim_block(hidden, 128), num_stages=stages1, **tile),
                 dict(BLOCK_N=bn2, BLOCK_K=_kdim_block(inter, 128), num_stages=3, **tile))
     bk1, bk2 = _kdim_block(hidden), _kdim_block(inter)
     if avg <= 48:
@@ -859,10 +871,10 @@ DECODE_MAX_POLLS = 1 << 22
 
 def one_launch_decode(g1: dict, g2: dict) -> bool:
     """Whether ``fused_moe_triton`` runs both GEMMs of a call with these configs as one launch
-    (``_moe_decode_experts_kernel``): at decode sizes (swapped tiles, one row-tile height and warp
-    count for both), unless ``ONE_LAUNCH_DECODE`` is off (``MOK_DECODE_ONE_LAUNCH=0``)."""
-    return (ONE_LAUNCH_DECODE and g1.get("SWAP_AB", False) and g2.get("SWAP_AB", False)
-            and g1["BLOCK_M"] == g2["BLOCK_M"] and g1["num_warps"] == g2["num_warps"])
+    (``_moe_decode_experts_kernel``): ``pick_configs(..., one_launch=True)`` marks them so at decode
+    sizes, which ``fused_moe_triton`` asks for unless ``ONE_LAUNCH_DECODE`` is off
+    (``MOK_DECODE_ONE_LAUNCH=0``)."""
+    return g1.get("ONE_LAUNCH", False)
 
 
 def decode_sync_words(rows: int, num_local: int, block_m: int) -> int:
@@ -893,6 +905,8 @@ def launch_decode_experts(
     inter = two_i // 2
     g1 = _gemm_config(configs[0], act, interpret)
     g2 = _gemm_config(configs[1], act, interpret)
+    if not (g1.get("SWAP_AB") and g2.get("SWAP_AB") and g1["BLOCK_M"] == g2["BLOCK_M"] and g1["num_warps"] == g2["num_warps"]):
+        raise ValueError(f"one-launch decode configs need swapped tiles of one height and warp count: {configs}")
     w13_desc = _w13_operand(w13, g1)
     w2_desc = _w2_operand(w2, g2, g2["BLOCK_K"])
     bm, bn1, bk1, bn2, bk2 = g1["BLOCK_M"], g1["BLOCK_N"], g1["BLOCK_K"], g2["BLOCK_N"], g2["BLOCK_K"]
@@ -999,7 +1013,9 @@ def fused_moe_triton(
     act = torch.empty((rows, inter), dtype=hidden_states.dtype, device=dev)
     y = torch.empty((rows, hidden), dtype=hidden_states.dtype, device=dev)
 
-    g1, g2 = _configs if _configs is not None else pick_configs(tokens, top_k, num_local, hidden, inter)
+    if _configs is None:
+        _configs = pick_configs(tokens, top_k, num_local, hidden, inter, one_launch=ONE_LAUNCH_DECODE)
+    g1, g2 = _configs
     if one_launch_decode(g1, g2):
         sync = torch.empty(decode_sync_words(rows, num_local, g1["BLOCK_M"]), dtype=torch.int32, device=dev)
         launch_schedule(topk_ids, expert_map, counts, sorted_rows, num_local, num_global,

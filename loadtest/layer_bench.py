@@ -389,11 +389,11 @@ def _cfg(bm, bn, warps, stages, bk, **kw):
 
 def sweep_variants(tokens, top_k, E, H, I):
     """Named (GEMM1, GEMM2) config pairs around the default: gate/up fused into one dot, TMA weights.
-    The sweep also times the default with the kernels launched the ordinary way ("no PDL") and, at
-    decode sizes, with both GEMMs as two launches ("two launches")."""
+    The sweep also times the default with the kernels launched the ordinary way ("no PDL")."""
+    from mok_serve.kernels import triton_moe
     from mok_serve.kernels.triton_moe import pick_configs
 
-    d1, d2 = pick_configs(tokens, top_k, E, H, I)
+    d1, d2 = pick_configs(tokens, top_k, E, H, I, one_launch=triton_moe.ONE_LAUNCH_DECODE)
 
     def v(d, **kw):
         return {**d, **kw}
@@ -416,19 +416,18 @@ def sweep_variants(tokens, top_k, E, H, I):
             ("g2 2/SM", d1, v(d2, BLOCK_N=128, num_stages=3)),
         ]
     elif d1.get("SWAP_AB"):
-        # Decode: both GEMMs in one launch (the sweep adds the default as two launches). One
-        # program's shared memory is the larger GEMM's: a GEMM2 tile of 256 columns with 3 stages
-        # (~204 KB) leaves room for one program per SM, 128 columns (~108 KB) for two.
+        # Decode: both GEMMs in one launch by default. One program's shared memory is the larger
+        # GEMM's: the default keeps both within half an SM (two programs per SM); GEMM1 at 64
+        # columns with 6 stages or GEMM2 at 256 columns or 4 stages take one SM each.
         bn1, bn2 = d1["BLOCK_N"], d2["BLOCK_N"]
         out += [
-            ("g1 s4", v(d1, num_stages=4), d2),
-            ("g1 s5", v(d1, num_stages=5), d2),
-            ("g2 s2", d1, v(d2, num_stages=2)),
-            ("g2 s4", d1, v(d2, num_stages=4)),
+            ("two launches", *pick_configs(tokens, top_k, E, H, I)),
+            ("g1 s3", v(d1, num_stages=3), d2),
+            ("g1 s6", v(d1, num_stages=6), d2),
             # Column width sets the programs per weight matrix (2 * BLOCK_N >= 64: wgmma's M side).
-            ("g1 n*2", v(d1, BLOCK_N=min(128, bn1 * 2)), d2),
+            ("g1 n/2", v(d1, BLOCK_N=max(32, bn1 // 2), num_stages=6), d2),
+            ("g2 s4", d1, v(d2, num_stages=4)),
             ("g2 n/2", d1, v(d2, BLOCK_N=max(64, bn2 // 2))),
-            ("g2 n/2 s4", d1, v(d2, BLOCK_N=max(64, bn2 // 2), num_stages=4)),
             ("g2 n*2", d1, v(d2, BLOCK_N=min(256, bn2 * 2))),
         ]
     else:
@@ -517,8 +516,6 @@ def sweep(shapes, points, seed, log, clocks, labels=None, repeats=1, fp8=False):
             default_out = op(x, *weights, tw, ids)
             variants = [(*v, {}) for v in (sweep_variants_fp8 if fp8 else sweep_variants)(tokens, K, E, H, I)]
             variants.append(("no PDL", *variants[0][1:3], {"PDL": False}))
-            if triton_moe.one_launch_decode(*variants[0][1:3]) and not fp8:
-                variants.append(("two launches", *variants[0][1:3], {"ONE_LAUNCH_DECODE": False}))
             variants = [v for v in variants if labels is None or v[0] in labels]
             for rep, (label, g1, g2, switches) in ((r, v) for r in range(repeats) for v in variants):
                 # Module switches of triton_moe, read at launch (so what the graph captures).

@@ -161,7 +161,7 @@ def check_decode_one_launch_bits(tm, x, w13, w2, tw, ids, expert_map=None):
     ``tm`` is the triton_moe module (the interpreter tests reload it). Returns the output."""
     tokens, hidden = x.shape
     num_local, two_i, _ = w13.shape
-    assert tm.one_launch_decode(*tm.pick_configs(tokens, ids.shape[1], num_local, hidden, two_i // 2))
+    assert tm.one_launch_decode(*tm.pick_configs(tokens, ids.shape[1], num_local, hidden, two_i // 2, one_launch=True))
     one = tm.fused_moe_triton(x, w13, w2, tw, ids, expert_map=expert_map)
     tm.ONE_LAUNCH_DECODE = False
     try:
@@ -180,7 +180,7 @@ def check_decode_wait_gives_up(tm, x, w13, w2, ids):
     num_local, two_i, _ = w13.shape
     inter, top_k = two_i // 2, ids.shape[1]
     rows = tokens * top_k
-    g1, g2 = tm.pick_configs(tokens, top_k, num_local, hidden, inter)
+    g1, g2 = tm.pick_configs(tokens, top_k, num_local, hidden, inter, one_launch=True)
     counts = torch.empty(num_local, dtype=torch.int32, device=x.device)
     sorted_rows = torch.empty(rows, dtype=torch.int32, device=x.device)
     sync = torch.full((tm.decode_sync_words(rows, num_local, g1["BLOCK_M"]),), 7, dtype=torch.int32, device=x.device)
