@@ -26,6 +26,11 @@ k order) in four launches and with no host synchronisation:
 4. ``_moe_combine_kernel`` -- ``out[t] = sum_k w[t,k] * y[t,k]`` in fp32, k in order; rows whose
    expert is not local (or whose id is out of range) are not read and contribute zero.
 
+At decode sizes (``one_launch_decode``) steps 2 and 3 are one launch, ``_moe_decode_experts_kernel``:
+its programs draw GEMM1 tiles, then GEMM2 tiles, from an atomic ticket, and a GEMM2 tile waits inside
+the kernel until the GEMM1 tiles of its rows are done, so there is no grid-wide barrier between the
+GEMMs (the schedule launch zeroes the kernel's sync words).
+
 Every kernel is launched with programmatic dependent launch on Hopper and newer (``pdl_launch``):
 it waits for the previous kernel in the stream before touching memory (``_grid_dependency``) and
 lets the next one's programs start early, which hides the launch gaps (~2 us per call at decode
