@@ -638,7 +638,7 @@ def pick_configs(tokens: int, top_k: int, num_local: int, hidden: int, inter: in
         if one_launch:
             # One kernel holds both GEMMs, so a program's shared memory is the larger one's: keep
             # both within half an SM (GEMM1 64 columns at 4 stages, GEMM2 128 columns at 3: ~110 KB)
-            # so that two programs per SM run either (one_launch sweep at a8aadca).
+            # so that two programs per SM run either (sweeps at a8aadca and 8ef0ff0, kernels/NOTES.md).
             bn2 = min(bn2, 128)
             stages1 = 6 if bn1 == 32 else 4
             tile["ONE_LAUNCH"] = True

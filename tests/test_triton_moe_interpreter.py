@@ -171,9 +171,11 @@ def test_decode_one_launch_gives_the_two_launches_bits(dtype):
     assert rel_err(out, fused_moe_reference(x, w13, w2, weights, ids)) <= TOL[dtype]
     expert_map = torch.tensor([0, -1, 1, 2, 3, -1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], dtype=torch.int32)
     local = 14
+    ids[0] = torch.tensor([1, 5, 1])  # token 0 has remote experts only: exact zeros
     out = check_decode_one_launch_bits(tm, x, w13[:local], w2[:local], weights, ids, expert_map)
     ref = fused_moe_reference(x, w13[:local], w2[:local], weights, ids, expert_map=expert_map)
     assert rel_err(out, ref) <= TOL[dtype]
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
 
 
 def test_decode_wait_gives_up_with_nan_rows_and_the_error_word():
