@@ -514,14 +514,11 @@ def sweep(shapes, points, seed, log, clocks, labels=None, repeats=1, fp8=False):
             # Every variant must give the default's output bit for bit (batch invariance holds
             # only if block shapes do not change the arithmetic).
             default_out = op(x, *weights, tw, ids)
-            variants = [(*v, {}) for v in (sweep_variants_fp8 if fp8 else sweep_variants)(tokens, K, E, H, I)]
-            variants.append(("no PDL", *variants[0][1:3], {"PDL": False}))
+            variants = [(*v, True) for v in (sweep_variants_fp8 if fp8 else sweep_variants)(tokens, K, E, H, I)]
+            variants.append(("no PDL", *variants[0][1:3], False))
             variants = [v for v in variants if labels is None or v[0] in labels]
-            for rep, (label, g1, g2, switches) in ((r, v) for r in range(repeats) for v in variants):
-                # Module switches of triton_moe, read at launch (so what the graph captures).
-                saved = {k: getattr(triton_moe, k) for k in switches}
-                for k, value in switches.items():
-                    setattr(triton_moe, k, value)
+            for rep, (label, g1, g2, pdl) in ((r, v) for r in range(repeats) for v in variants):
+                triton_moe.PDL = pdl  # read at launch, so it is what the graph captures
                 try:
                     fn = lambda: op(x, *weights, tw, ids, _configs=(g1, g2))  # noqa: E731
                     got = fn()
@@ -532,8 +529,7 @@ def sweep(shapes, points, seed, log, clocks, labels=None, repeats=1, fp8=False):
                     log(f"  {name} T={tokens} {routing} {label}: failed {type(exc).__name__}: {str(exc)[:200]}")
                     continue
                 finally:
-                    for k, value in saved.items():
-                        setattr(triton_moe, k, value)
+                    triton_moe.PDL = True
                 if how != "graph":
                     log(f"  {name} T={tokens} {routing} {label}: timed eagerly")
                 results.append(dict(shape=name, tokens=tokens, routing=routing, label=label, g1=g1, g2=g2, ms=ms,

@@ -243,6 +243,17 @@ def test_layer_points_take_an_optional_routing():
         parse_points(["DeepSeek-V3:8192:hot"])
 
 
+def test_decode_sweep_times_the_one_launch_default_against_two_launches():
+    from mok_serve.kernels.triton_moe import one_launch_decode
+    from mok_serve.loadtest.layer_bench import sweep_variants
+
+    for tokens in (1, 8, 128):  # DeepSeek-V3's decode regime
+        variants = {label: (g1, g2) for label, g1, g2 in sweep_variants(tokens, 8, 256, 7168, 2048)}
+        assert not one_launch_decode(*variants.pop("two launches"))
+        assert all(one_launch_decode(*configs) for configs in variants.values()), tokens
+    assert not any(one_launch_decode(g1, g2) for _, g1, g2 in sweep_variants(2048, 8, 256, 7168, 2048))
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--profile", "Foo:8"], "unknown shape(s) Foo"),
     (["--sweep", "--sweep-points", "DeepSeek-V3:8:hot"], "point 'DeepSeek-V3:8:hot': expected SHAPE:TOKENS"),
