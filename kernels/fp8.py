@@ -27,7 +27,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .reference import ROW_ALIGN_CPU, check_fused_moe_args, combine_topk, local_expert_ids
+from .reference import check_fused_moe_args, combine_topk, local_expert_ids, rows_mm
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -140,13 +140,6 @@ def check_fused_moe_fp8_args(
     return bn, bk
 
 
-def _rows_mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``a @ w.T`` in fp32 with the rows zero-padded to a multiple of 8: CPU BLAS picks its kernel by
-    row count and gives every row the same bits only from 8 rows on (see reference.py)."""
-    rows = a.shape[0]
-    return torch.mm(F.pad(a, (0, 0, 0, -rows % ROW_ALIGN_CPU)), w.t())[:rows]
-
-
 def fused_moe_fp8_reference(
     hidden_states: torch.Tensor,
     w13: torch.Tensor,
@@ -200,9 +193,9 @@ def fp8_expert_rows(
         if e < 0:
             continue
         rows = (row_expert == e).nonzero().squeeze(1)
-        gate_up = _rows_mm(xq[row_token[rows]], dequantize_fp8_blocks(w13[e], w13_scale[e], block))
+        gate_up = rows_mm(xq[row_token[rows]], dequantize_fp8_blocks(w13[e], w13_scale[e], block))
         gate, up = gate_up.to(dtype).float().chunk(2, dim=-1)
         act = (F.silu(gate) * up).to(dtype)
         act = dequantize_fp8_groups(*quantize_fp8_groups(act, block[1]), block[1])
-        y[rows] = _rows_mm(act, dequantize_fp8_blocks(w2[e], w2_scale[e], block)).to(dtype)
+        y[rows] = rows_mm(act, dequantize_fp8_blocks(w2[e], w2_scale[e], block)).to(dtype)
     return y

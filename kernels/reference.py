@@ -14,15 +14,17 @@ nothing. The activation between the GEMMs and each expert's output are rounded t
 dtype (as vLLM's kernels do); the top-k sum is fp32 and the result is cast back to the input dtype.
 
 The implementation here sorts (token, k) rows by local expert with a stable sort, so each expert
-sees its rows in token order, and runs both GEMMs as one ``torch._grouped_mm`` each. A row's
-result must depend only on that row, so that a token's output is bitwise the same whatever else
-shares the call. On the CPU the GEMMs run in float32 on exactly upcast operands (the same
-function as a bf16/fp16 GEMM with fp32 accumulation): CPUs without native bf16 matmul convert
-the weights on every bf16 call, and float32 BLAS picks its kernel by row count (one row, two or
-three, more) but gives every row the same result once the count is a multiple of 8, so each
-expert's rows are padded to a multiple of 8. The weights may also be given in float32 on the
-CPU (an exact upcast copy). ``fused_moe`` on CPU tensors runs the faster C++ kernel of
-``cpu_moe.py``, which computes the same function.
+sees its rows in token order, and runs both GEMMs as one ``torch._grouped_mm`` each (off the
+CPU). A row's result must depend only on that row, so that a token's output is bitwise the same
+whatever else shares the call. On the CPU the GEMMs run in float32 on exactly upcast operands
+(the same function as a bf16/fp16 GEMM with fp32 accumulation): CPUs without native bf16 matmul
+convert the weights on every bf16 call. Float32 BLAS picks its kernel by the row count, and the kernels
+sum in different orders: on an AVX2 CPU every row count that is a multiple of 8 gave the same
+bits, but on an AVX-512 CPU (MKL in torch 2.13) 8 rows and 16 rows already differ once K >= 256
+(measured). So ``rows_mm`` runs every CPU GEMM as GEMMs of exactly 8 rows (each expert's rows
+padded to a multiple of 8): a row's bits then come from one fixed GEMM shape, whatever the batch.
+The weights may also be given in float32 on the CPU (an exact upcast copy). ``fused_moe`` on CPU
+tensors runs the faster C++ kernel of ``cpu_moe.py``, which computes the same function.
 """
 
 import torch
@@ -128,6 +130,28 @@ def combine_topk(expert_out: torch.Tensor, topk_weights: torch.Tensor) -> torch.
 ROW_ALIGN_CPU = 8
 
 
+def rows_mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``a @ w.T`` (``a`` with at least one row). On the CPU as GEMMs of exactly ``ROW_ALIGN_CPU``
+    rows, ``a``'s rows zero-padded to a multiple of it, so that a row's bits do not depend on how
+    many rows share the call (see the module docstring); elsewhere as one GEMM."""
+    if a.device.type != "cpu":
+        return a @ w.t()
+    rows = a.shape[0]
+    padded = F.pad(a, (0, 0, 0, -rows % ROW_ALIGN_CPU))
+    return torch.cat([torch.mm(chunk, w.t()) for chunk in padded.split(ROW_ALIGN_CPU)])[:rows]
+
+
+def _grouped_mm(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """``a``'s block of rows of expert ``e`` (ending at ``ends[e]``) times ``w[e].T``. On the CPU
+    by ``rows_mm``: the blocks start at multiples of ``ROW_ALIGN_CPU`` rows there, so its GEMMs
+    never mix experts."""
+    if a.device.type != "cpu":
+        return torch._grouped_mm(a, w.transpose(1, 2), offs=ends)
+    bounds = [0, *ends.tolist()]
+    return torch.cat([rows_mm(a[start:end], w[e]) for e, (start, end) in enumerate(zip(bounds, bounds[1:]))
+                      if end > start])
+
+
 def run_experts(
     x: torch.Tensor, row_token: torch.Tensor, row_expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
 ) -> torch.Tensor:
@@ -157,10 +181,10 @@ def run_experts(
     a[dest] = x[row_token[rows]].to(compute_dtype)
     offsets = offsets.to(torch.int32)
     # Both GEMM outputs are rounded to x's dtype, as a GEMM in that dtype would return them.
-    gate_up = torch._grouped_mm(a, w13.to(compute_dtype).transpose(1, 2), offs=offsets)
+    gate_up = _grouped_mm(a, w13.to(compute_dtype), offsets)
     gate, up = gate_up.to(x.dtype).float().chunk(2, dim=-1)
     act = (F.silu(gate) * up).to(x.dtype).to(compute_dtype)
-    y = torch._grouped_mm(act, w2.to(compute_dtype).transpose(1, 2), offs=offsets)
+    y = _grouped_mm(act, w2.to(compute_dtype), offsets)
     out[rows] = y[dest].to(x.dtype)
     return out
 

@@ -31,6 +31,15 @@ def make_inputs(tokens, hidden, inter, experts, top_k, dtype=torch.bfloat16, see
     return x, w13, w2, weights, ids
 
 
+def check_alone_equals_in_batch(op, x, experts, weights, ids, every=7):
+    """``op(x, *experts, weights, ids)``: every ``every``-th token alone gives its bits in the
+    whole batch."""
+    batch = op(x, *experts, weights, ids)
+    for t in range(0, x.shape[0], every):
+        alone = op(x[t : t + 1], *experts, weights[t : t + 1], ids[t : t + 1])
+        assert torch.equal(alone[0], batch[t]), f"token {t} differs alone vs in a batch of {x.shape[0]}"
+
+
 def make_fp8_inputs(tokens, hidden, inter, experts, top_k, dtype=torch.bfloat16, seed=0, num_global=None,
                     block=(128, 128), weight_dtype=None):
     """``make_inputs`` and the experts' FP8 quantization: (x, w13, w2, weights, ids, (q13, q2, s13, s2))."""
