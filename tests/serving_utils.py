@@ -33,3 +33,14 @@ def greedy_all(server, prompts=PROMPTS, max_tokens: int = 24, concurrent: bool =
         return [greedy(server, p, max_tokens) for p in prompts]
     with ThreadPoolExecutor(len(prompts)) as pool:
         return list(pool.map(lambda p: greedy(server, p, max_tokens), prompts))
+
+
+def greedy_logprobs(server, prompts=PROMPTS, max_tokens: int = 24) -> list[tuple[list[str], list[list[float]]]]:
+    """Per prompt: the greedy tokens and, at each of them, the two highest logprobs (descending)."""
+    c, model = client(server), model_id(server)
+    out = []
+    for p in prompts:
+        lp = c.completions.create(model=model, prompt=p, max_tokens=max_tokens, temperature=0, logprobs=2)
+        lp = lp.choices[0].logprobs
+        out.append((lp.tokens, [sorted(top.values(), reverse=True) for top in lp.top_logprobs]))
+    return out
