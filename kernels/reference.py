@@ -18,11 +18,12 @@ sees its rows in token order, and runs both GEMMs as one ``torch._grouped_mm`` e
 CPU). A row's result must depend only on that row, so that a token's output is bitwise the same
 whatever else shares the call. On the CPU the GEMMs run in float32 on exactly upcast operands
 (the same function as a bf16/fp16 GEMM with fp32 accumulation): CPUs without native bf16 matmul
-convert the weights on every bf16 call. Float32 BLAS picks its kernel by the row count, and the kernels
-sum in different orders: on an AVX2 CPU every row count that is a multiple of 8 gave the same
-bits, but on an AVX-512 CPU (MKL in torch 2.13) 8 rows and 16 rows already differ once K >= 256
-(measured). So ``rows_mm`` runs every CPU GEMM as GEMMs of exactly 8 rows (each expert's rows
-padded to a multiple of 8): a row's bits then come from one fixed GEMM shape, whatever the batch.
+convert the weights on every bf16 call. Float32 BLAS picks its kernel by the row count, and the
+kernels sum in different orders: on an AVX2 CPU every row count that is a multiple of 8 gave the
+same bits, but on an AVX-512 CPU (MKL in torch 2.13) 8 rows and 16 rows already differ once
+K >= 256 (measured). So ``rows_mm`` runs every CPU GEMM as GEMMs of exactly 8 rows (each expert's
+rows padded to a multiple of 8): a row's bits then come from one fixed GEMM shape, whatever the
+batch.
 The weights may also be given in float32 on the CPU (an exact upcast copy). ``fused_moe`` on CPU
 tensors runs the faster C++ kernel of ``cpu_moe.py``, which computes the same function.
 """

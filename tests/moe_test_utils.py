@@ -171,12 +171,14 @@ def check_decode_one_launch_bits(tm, x, w13, w2, tw, ids, expert_map=None):
     tokens, hidden = x.shape
     num_local, two_i, _ = w13.shape
     assert tm.one_launch_decode(*tm.pick_configs(tokens, ids.shape[1], num_local, hidden, two_i // 2, one_launch=True))
-    one = tm.fused_moe_triton(x, w13, w2, tw, ids, expert_map=expert_map)
-    tm.ONE_LAUNCH_DECODE = False
+    saved = tm.ONE_LAUNCH_DECODE
     try:
+        tm.ONE_LAUNCH_DECODE = True
+        one = tm.fused_moe_triton(x, w13, w2, tw, ids, expert_map=expert_map)
+        tm.ONE_LAUNCH_DECODE = False
         two = tm.fused_moe_triton(x, w13, w2, tw, ids, expert_map=expert_map)
     finally:
-        tm.ONE_LAUNCH_DECODE = True
+        tm.ONE_LAUNCH_DECODE = saved
     assert torch.equal(one, two)
     return one
 
