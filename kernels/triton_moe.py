@@ -469,8 +469,7 @@ def _gemm2_rows(
 
 
 # The one-launch decode kernel's sync words (int32, zeroed by ``_moe_schedule_zero_kernel``): the
-# work-item ticket, the error flag, one GEMM1 completion count per row tile, then one GEMM2 count
-# per token.
+# work-item ticket, the error flag, then one GEMM1 completion count per row tile.
 SYNC_TICKET, SYNC_ERROR, SYNC_TILES = 0, 1, 2
 _SYNC_TICKET, _SYNC_ERROR, _SYNC_TILES = tl.constexpr(SYNC_TICKET), tl.constexpr(SYNC_ERROR), tl.constexpr(SYNC_TILES)
 
@@ -497,58 +496,33 @@ def _moe_schedule_zero_kernel(
 
 
 @triton.jit
-def _wait_count(count_ptr, target, max_polls):
-    """Poll ``count_ptr`` (acquire, GPU scope) until it reaches ``target`` or ``max_polls`` polls
-    have passed; the last value read. Scalar atomics: Triton broadcasts their result, so every
-    thread agrees on the loop, and the barrier after it orders every thread's later loads after
-    the acquire."""
-    done = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
-    polls = 0
-    while (done < target) & (polls < max_polls):
-        done = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
-        polls += 1
-    tl.debug_barrier()
-    return done
-
-
-@triton.jit
 def _moe_decode_experts_kernel(
     x_ptr, w13_ptr, w13_desc, w2_ptr, w2_desc, act_ptr, y_ptr, sorted_rows_ptr, counts_ptr, sync_ptr,
-    out_ptr, topk_ids_ptr, topk_w_ptr, expert_map_ptr,
-    num_local, num_global, tokens, H, I, num_m, max_polls,
+    num_local, H, I, num_m, max_polls,
     stride_xt, stride_xh, stride_w13e, stride_w13n, stride_w13k, stride_w2e, stride_w2n, stride_w2k,
-    stride_it, stride_ik, stride_wt, stride_wk, stride_ot,
     TOPK: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr, STAGES1: tl.constexpr, EVEN_K1: tl.constexpr,
     EVEN_N1: tl.constexpr, USE_TMA1: tl.constexpr,
     BLOCK_N2: tl.constexpr, BLOCK_K2: tl.constexpr, STAGES2: tl.constexpr, EVEN_K2: tl.constexpr,
     EVEN_N2: tl.constexpr, USE_TMA2: tl.constexpr,
-    HAS_MAP: tl.constexpr, BLOCK_H: tl.constexpr, COMBINE: tl.constexpr,
     DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr, SWAP_AB: tl.constexpr, PDL: tl.constexpr,
 ):
-    """GEMM1, GEMM2 and the combine in one launch (decode sizes): no grid-wide barrier between
-    them, so the weight stream does not drain and refill at the GEMM boundary, GEMM2 tiles fill the
-    SMs that GEMM1's last wave leaves idle, and a token is summed as soon as its rows are done.
-
-    Work items are GEMM1's tiles (row tile major), then GEMM2's, then the combine's (token, column
-    block) pairs, handed out by an atomic ticket rather than by program id: a program that draws an
-    item of a later stage knows that every item of the earlier stages was drawn by a program that
-    is already running, and the first stage waits on nothing, so every wait ends (no deadlock,
-    whatever order the hardware starts programs in). Each finished tile counts itself done, after a
-    CTA barrier and with release at GPU scope (every thread's stores ordered before the count):
-    GEMM1 tiles per row tile, GEMM2 tiles per token of each of their rows. A GEMM2 tile waits for
-    all GEMM1 column tiles of its row tile, a combine item for all GEMM2 column tiles of its
-    token's local rows (acquire, bounded by ``max_polls``). A wait that runs out, which only a bug
-    could cause, sets the error word and writes NaN where the item's results go instead of hanging
-    or computing on unwritten data. Each item's arithmetic is that of the separate kernels, so the
-    bits are the same."""
+    """GEMM1 and GEMM2 in one launch (decode sizes): no grid-wide barrier between them, so the
+    weight stream does not drain and refill at the boundary, and GEMM2 tiles fill the SMs that
+    GEMM1's last wave leaves idle. Work items are GEMM1's tiles (row tile major) then GEMM2's,
+    handed out by an atomic ticket rather than by program id: a program that draws a GEMM2 item
+    knows that every GEMM1 item was drawn by a program already running, and GEMM1 items wait on
+    nothing, so the waits below always end (no deadlock, whatever order the hardware starts
+    programs in). A GEMM1 tile counts itself done for its row tile (release at GPU scope after
+    a CTA barrier, so every thread's ``act`` stores are ordered before it); a GEMM2 tile waits
+    (acquire, bounded by ``max_polls``) until all GEMM1 column tiles of its row tile are done.
+    A wait that runs out, which only a bug could cause, sets the error word and writes NaN into
+    the tile's rows instead of hanging or computing on unwritten data. Each tile's arithmetic is
+    that of the two-launch kernels, so the bits are the same."""
     _grid_dependency(PDL)
     item = tl.atomic_add(sync_ptr + _SYNC_TICKET, 1, sem="relaxed")
     num_n1 = tl.cdiv(I, BLOCK_N1)
-    num_n2 = tl.cdiv(H, BLOCK_N2)
     gemm1_items = num_m * num_n1
-    gemm2_items = num_m * num_n2
-    token_done_ptr = sync_ptr + _SYNC_TILES + num_m
     if item < gemm1_items:
         in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
             item, counts_ptr, num_local, num_m, I, BLOCK_N1, E_PAD, BLOCK_M, 1
@@ -561,90 +535,32 @@ def _moe_decode_experts_kernel(
             )
             tl.debug_barrier()
             tl.atomic_add(sync_ptr + _SYNC_TILES + item // num_n1, 1, sem="release", scope="gpu")
-    elif item < gemm1_items + gemm2_items:
+    elif item < gemm1_items + num_m * tl.cdiv(H, BLOCK_N2):  # (a ticket past the last item does nothing)
         item2 = item - gemm1_items
         in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
             item2, counts_ptr, num_local, num_m, H, BLOCK_N2, E_PAD, BLOCK_M, 1
         )
         if in_use:
-            done = _wait_count(sync_ptr + _SYNC_TILES + item2 // num_n2, num_n1, max_polls)
-            offs_m, row_ok, rows = _tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
+            # Scalar atomics: Triton broadcasts their result, so every thread agrees on the loop.
+            done_ptr = sync_ptr + _SYNC_TILES + item2 // tl.cdiv(H, BLOCK_N2)
+            done = tl.atomic_add(done_ptr, 0, sem="acquire", scope="gpu")
+            polls = 0
+            while (done < num_n1) & (polls < max_polls):
+                done = tl.atomic_add(done_ptr, 0, sem="acquire", scope="gpu")
+                polls += 1
+            tl.debug_barrier()
             if done < num_n1:
                 tl.atomic_xchg(sync_ptr + _SYNC_ERROR, 1, sem="relaxed")
+                offs_m, row_ok, rows = _tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
                 offs_n = pid_n * BLOCK_N2 + tl.arange(0, BLOCK_N2)
                 nan = tl.full([BLOCK_M, BLOCK_N2], float("nan"), dtype=tl.float32)
                 _scatter_rows(nan, rows, row_ok, offs_n, offs_n < H, y_ptr, H, DOT_F32)
             else:
-                acc, offs_n, n_ok = _gemm2_tile(
-                    act_ptr, w2_ptr, w2_desc, e, start_e, offs_m, row_ok, pid_n, H, I,
+                _gemm2_rows(
+                    act_ptr, w2_ptr, w2_desc, y_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
                     stride_w2e, stride_w2n, stride_w2k,
                     BLOCK_M, BLOCK_N2, BLOCK_K2, EVEN_K2, EVEN_N2, DOT_IEEE, DOT_F32, USE_TMA2, SWAP_AB, STAGES2,
                 )
-                _scatter_rows(acc, rows, row_ok, offs_n, n_ok, y_ptr, H, DOT_F32)
-            if COMBINE:
-                tl.debug_barrier()
-                tl.atomic_add(token_done_ptr + rows // TOPK, tl.full([BLOCK_M], 1, tl.int32), mask=row_ok,
-                              sem="release", scope="gpu")
-    elif COMBINE:
-        num_cb = tl.cdiv(H, BLOCK_H)
-        t = (item - gemm1_items - gemm2_items) // num_cb
-        col_block = (item - gemm1_items - gemm2_items) % num_cb
-        # Tickets past the last item (only if the sync words held garbage) do nothing.
-        if t < tokens:
-            local = 0
-            for k in tl.static_range(TOPK):
-                local += _local_k(topk_ids_ptr, expert_map_ptr, t, k, num_global, num_local, stride_it, stride_ik,
-                                  HAS_MAP).to(tl.int32)
-            done = _wait_count(token_done_ptr + t, local * num_n2, max_polls)
-            if done < local * num_n2:
-                tl.atomic_xchg(sync_ptr + _SYNC_ERROR, 1, sem="relaxed")
-                offs = col_block * BLOCK_H + tl.arange(0, BLOCK_H)
-                nan = tl.full([BLOCK_H], float("nan"), dtype=out_ptr.dtype.element_ty)
-                tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, nan, mask=offs < H)
-            else:
-                _combine_token(
-                    y_ptr, out_ptr, topk_ids_ptr, topk_w_ptr, expert_map_ptr, t, col_block,
-                    H, num_global, num_local, stride_it, stride_ik, stride_wt, stride_wk, stride_ot,
-                    TOPK, HAS_MAP, BLOCK_H, DOT_F32,
-                )
-
-
-@triton.jit
-def _local_k(topk_ids_ptr, expert_map_ptr, t, k, num_global, num_local, stride_it, stride_ik, HAS_MAP: tl.constexpr):
-    """Whether top-k slot ``k`` of token ``t`` names a local expert (a valid id, mapped to a local
-    expert by ``expert_map`` where there is one)."""
-    gid = tl.load(topk_ids_ptr + t * stride_it + k * stride_ik)
-    ok = (gid >= 0) & (gid < num_global)
-    if HAS_MAP:
-        lid = tl.load(expert_map_ptr + tl.where(ok, gid, 0), mask=ok, other=-1)
-        ok = ok & (lid >= 0) & (lid < num_local)
-    else:
-        ok = ok & (gid < num_local)
-    return ok
-
-
-@triton.jit
-def _combine_token(
-    y_ptr, out_ptr, topk_ids_ptr, topk_w_ptr, expert_map_ptr, t, col_block,
-    H, num_global, num_local, stride_it, stride_ik, stride_wt, stride_wk, stride_ot,
-    TOPK: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_H: tl.constexpr, RNE_FIX: tl.constexpr,
-):
-    """``out[t]`` over columns ``col_block * BLOCK_H ...``: the sum of ``w[t, k] * y[t * K + k]`` in
-    fp32, k in order, over the local experts' rows only (others are not read)."""
-    offs = col_block * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = offs < H
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for k in tl.static_range(TOPK):
-        ok = _local_k(topk_ids_ptr, expert_map_ptr, t, k, num_global, num_local, stride_it, stride_ik, HAS_MAP)
-        w = tl.load(topk_w_ptr + t * stride_wt + k * stride_wk).to(tl.float32)
-        # (broadcast the scalar flag through an int32 vector: the interpreter rejects a scalar
-        # bool broadcast into a mask)
-        y_ok = h_ok & ((tl.zeros([BLOCK_H], dtype=tl.int32) + ok.to(tl.int32)) != 0)
-        y = tl.load(y_ptr + (t * TOPK + k).to(tl.int64) * H + offs, mask=y_ok, other=0.0)
-        # Separate multiply and add, as the reference's `out += w * y` rounds the product first.
-        prod = w * y.to(tl.float32)
-        acc = acc + prod
-    tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, _cast(acc, out_ptr.dtype.element_ty, RNE_FIX), mask=h_ok)
 
 
 @triton.jit
@@ -656,10 +572,27 @@ def _moe_combine_kernel(
     PDL: tl.constexpr,
 ):
     _grid_dependency(PDL)
-    _combine_token(
-        y_ptr, out_ptr, topk_ids_ptr, topk_w_ptr, expert_map_ptr, tl.program_id(0), tl.program_id(1),
-        H, num_global, num_local, stride_it, stride_ik, stride_wt, stride_wk, stride_ot, TOPK, HAS_MAP, BLOCK_H, RNE_FIX,
-    )
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for k in tl.static_range(TOPK):
+        gid = tl.load(topk_ids_ptr + t * stride_it + k * stride_ik)
+        ok = (gid >= 0) & (gid < num_global)
+        if HAS_MAP:
+            lid = tl.load(expert_map_ptr + tl.where(ok, gid, 0), mask=ok, other=-1)
+            ok = ok & (lid >= 0) & (lid < num_local)
+        else:
+            ok = ok & (gid < num_local)
+        w = tl.load(topk_w_ptr + t * stride_wt + k * stride_wk).to(tl.float32)
+        # (broadcast the scalar flag through an int32 vector: the interpreter rejects a scalar
+        # bool broadcast into a mask)
+        y_ok = h_ok & ((tl.zeros([BLOCK_H], dtype=tl.int32) + ok.to(tl.int32)) != 0)
+        y = tl.load(y_ptr + (t * TOPK + k).to(tl.int64) * H + offs, mask=y_ok, other=0.0)
+        # Separate multiply and add, as the reference's `out += w * y` rounds the product first.
+        prod = w * y.to(tl.float32)
+        acc = acc + prod
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, _cast(acc, out_ptr.dtype.element_ty, RNE_FIX), mask=h_ok)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -936,51 +869,45 @@ def launch_gemm2(
     )
 
 
-# Polls of a wait in the one-launch decode kernel (an L2 round trip each, about a microsecond):
-# seconds, where a wait that ends lasts at most a tile or two.
+# Polls of a GEMM2 tile's wait in the one-launch decode kernel (an L2 round trip each, about a
+# microsecond): seconds, where a wait that ends lasts at most one GEMM1 tile.
 DECODE_MAX_POLLS = 1 << 22
 
 
 def one_launch_decode(g1: dict, g2: dict) -> bool:
-    """Whether ``fused_moe_triton`` runs a call with these configs as one launch after the schedule
-    (``_moe_decode_experts_kernel``: both GEMMs and the combine): ``pick_configs(...,
-    one_launch=True)`` marks them so at decode sizes, which ``fused_moe_triton`` asks for unless
-    ``ONE_LAUNCH_DECODE`` is off (``MOK_DECODE_ONE_LAUNCH=0``)."""
+    """Whether ``fused_moe_triton`` runs both GEMMs of a call with these configs as one launch
+    (``_moe_decode_experts_kernel``): ``pick_configs(..., one_launch=True)`` marks them so at decode
+    sizes, which ``fused_moe_triton`` asks for unless ``ONE_LAUNCH_DECODE`` is off
+    (``MOK_DECODE_ONE_LAUNCH=0``)."""
     return g1.get("ONE_LAUNCH", False)
 
 
-def decode_sync_words(tokens: int, top_k: int, num_local: int, block_m: int) -> int:
-    """Int32 sync words of a one-launch decode call: ticket, error flag, a count per row tile and
-    one per token."""
-    return SYNC_TILES + _max_row_tiles(tokens * top_k, num_local, block_m) + tokens
+def decode_sync_words(rows: int, num_local: int, block_m: int) -> int:
+    """Int32 sync words of a one-launch decode call (ticket, error flag, a count per row tile)."""
+    return SYNC_TILES + _max_row_tiles(rows, num_local, block_m)
 
 
 def launch_decode_experts(
     x: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    expert_map: torch.Tensor | None,
-    num_global: int,
-    out: torch.Tensor,
     act: torch.Tensor,
     y: torch.Tensor,
     sorted_rows: torch.Tensor,
     counts: torch.Tensor,
     sync: torch.Tensor,
+    rows: int,
+    top_k: int,
     configs: tuple[dict, dict],
     *,
     interpret: bool,
     max_polls: int = DECODE_MAX_POLLS,
 ) -> None:
-    """``_moe_decode_experts_kernel``: ``launch_gemm1``, ``launch_gemm2`` and ``launch_combine`` in
-    one launch, with ``sync`` (``decode_sync_words`` int32 words) zeroed by
-    ``_moe_schedule_zero_kernel`` in this call's schedule launch. ``configs``: ``pick_configs``'
-    pair, ``one_launch_decode`` true."""
+    """``_moe_decode_experts_kernel``: ``launch_gemm1`` then ``launch_gemm2`` in one launch, with
+    ``sync`` (``decode_sync_words`` int32 words) zeroed by ``_moe_schedule_zero_kernel`` in this
+    call's schedule launch. ``configs``: ``pick_configs``' pair, ``one_launch_decode`` true."""
     num_local, two_i, hidden = w13.shape
     inter = two_i // 2
-    tokens, top_k = topk_ids.shape
     g1 = _gemm_config(configs[0], act, interpret)
     g2 = _gemm_config(configs[1], act, interpret)
     if not (g1.get("SWAP_AB") and g2.get("SWAP_AB") and g1["BLOCK_M"] == g2["BLOCK_M"] and g1["num_warps"] == g2["num_warps"]):
@@ -988,23 +915,17 @@ def launch_decode_experts(
     w13_desc = _w13_operand(w13, g1)
     w2_desc = _w2_operand(w2, g2, g2["BLOCK_K"])
     bm, bn1, bk1, bn2, bk2 = g1["BLOCK_M"], g1["BLOCK_N"], g1["BLOCK_K"], g2["BLOCK_N"], g2["BLOCK_K"]
-    num_m = _max_row_tiles(tokens * top_k, num_local, bm)
-    block_h = combine_block(hidden)
-    assert sync.numel() == decode_sync_words(tokens, top_k, num_local, bm) and sync.dtype == torch.int32
-    has_map = expert_map is not None
-    combine = not g1.get("COMBINE_APART", False)
-    items = num_m * (triton.cdiv(inter, bn1) + triton.cdiv(hidden, bn2)) + combine * tokens * triton.cdiv(hidden, block_h)
-    _moe_decode_experts_kernel[(items,)](
+    num_m = _max_row_tiles(rows, num_local, bm)
+    assert sync.numel() == SYNC_TILES + num_m and sync.dtype == torch.int32
+    _moe_decode_experts_kernel[(num_m * (triton.cdiv(inter, bn1) + triton.cdiv(hidden, bn2)),)](
         x, w13, w13_desc, w2, w2_desc, act, y, sorted_rows, counts, sync,
-        out, topk_ids, topk_weights, expert_map if has_map else topk_ids,  # (dummy pointer without a map)
-        num_local, num_global, tokens, hidden, inter, num_m, max_polls,
+        num_local, hidden, inter, num_m, max_polls,
         x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), w2.stride(0), w2.stride(1), w2.stride(2),
-        topk_ids.stride(0), topk_ids.stride(1), topk_weights.stride(0), topk_weights.stride(1), out.stride(0),
         TOPK=top_k, E_PAD=_e_pad(num_local), BLOCK_M=bm,
         BLOCK_N1=bn1, BLOCK_K1=bk1, STAGES1=g1["num_stages"], EVEN_K1=hidden % bk1 == 0, EVEN_N1=inter % bn1 == 0,
         USE_TMA1=g1["USE_TMA"],
         BLOCK_N2=bn2, BLOCK_K2=bk2, STAGES2=g2["num_stages"], EVEN_K2=inter % bk2 == 0, EVEN_N2=hidden % bn2 == 0,
-        USE_TMA2=g2["USE_TMA"], HAS_MAP=has_map, BLOCK_H=block_h, COMBINE=combine,
+        USE_TMA2=g2["USE_TMA"],
         DOT_IEEE=act.dtype == torch.float32 or interpret, DOT_F32=interpret, SWAP_AB=g1["SWAP_AB"],
         num_warps=g1["num_warps"], num_stages=g1["num_stages"], **pdl_launch(act),
     )
@@ -1078,8 +999,7 @@ def fused_moe_triton(
     activation: str = "silu",
     _configs: tuple[dict, dict] | None = None,
 ) -> torch.Tensor:
-    """The routed experts of one MoE layer (see ``reference.py``) in four Triton launches, two at
-    decode sizes (``one_launch_decode``).
+    """The routed experts of one MoE layer (see ``reference.py``) in four Triton launches.
 
     No host synchronisation, except the eager range check of ``topk_ids`` / ``expert_map`` by
     ``check_fused_moe_args`` (skipped while a CUDA graph is being captured). ``_configs``
@@ -1102,16 +1022,14 @@ def fused_moe_triton(
         _configs = pick_configs(tokens, top_k, num_local, hidden, inter, one_launch=ONE_LAUNCH_DECODE)
     g1, g2 = _configs
     if one_launch_decode(g1, g2):
-        sync = torch.empty(decode_sync_words(tokens, top_k, num_local, g1["BLOCK_M"]), dtype=torch.int32, device=dev)
+        sync = torch.empty(decode_sync_words(rows, num_local, g1["BLOCK_M"]), dtype=torch.int32, device=dev)
         launch_schedule(topk_ids, expert_map, counts, sorted_rows, num_local, num_global,
                         kernel=_moe_schedule_zero_kernel, extra_programs=1, extra_args=(sync, sync.numel()))
-        launch_decode_experts(hidden_states, w13, w2, topk_weights, topk_ids, expert_map, num_global, out, act, y,
-                              sorted_rows, counts, sync, (g1, g2), interpret=interpret)
-        if g1.get("COMBINE_APART", False):
-            launch_combine(y, out, topk_ids, topk_weights, expert_map, num_local, num_global, interpret=interpret)
-        return out
-    launch_schedule(topk_ids, expert_map, counts, sorted_rows, num_local, num_global)
-    launch_gemm1(hidden_states, w13, act, sorted_rows, counts, rows, top_k, g1, interpret=interpret)
-    launch_gemm2(act, w2, y, sorted_rows, counts, rows, g2, interpret=interpret)
+        launch_decode_experts(hidden_states, w13, w2, act, y, sorted_rows, counts, sync, rows, top_k, (g1, g2),
+                              interpret=interpret)
+    else:
+        launch_schedule(topk_ids, expert_map, counts, sorted_rows, num_local, num_global)
+        launch_gemm1(hidden_states, w13, act, sorted_rows, counts, rows, top_k, g1, interpret=interpret)
+        launch_gemm2(act, w2, y, sorted_rows, counts, rows, g2, interpret=interpret)
     launch_combine(y, out, topk_ids, topk_weights, expert_map, num_local, num_global, interpret=interpret)
     return out

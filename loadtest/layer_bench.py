@@ -422,7 +422,6 @@ def sweep_variants(tokens, top_k, E, H, I):
         bn1, bn2 = d1["BLOCK_N"], d2["BLOCK_N"]
         out += [
             ("two launches", *pick_configs(tokens, top_k, E, H, I)),
-            ("combine apart", v(d1, COMBINE_APART=True), d2),
             ("g1 s3", v(d1, num_stages=3), d2),
             ("g1 s6", v(d1, num_stages=6), d2),
             # Column width sets the programs per weight matrix (2 * BLOCK_N >= 64: wgmma's M side).

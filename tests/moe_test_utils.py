@@ -183,10 +183,10 @@ def check_decode_one_launch_bits(tm, x, w13, w2, tw, ids, expert_map=None):
     return one
 
 
-def check_decode_wait_gives_up(tm, x, w13, w2, tw, ids):
-    """Items of the one-launch decode kernel whose GEMM1 tiles never run (their tickets taken
-    beforehand) stop waiting after ``max_polls``: the error word is set, the GEMM2 tiles' rows of
-    ``y`` and so every token's output are NaN; nothing hangs. Needs every id local and valid."""
+def check_decode_wait_gives_up(tm, x, w13, w2, ids):
+    """A GEMM2 tile of the one-launch decode kernel whose GEMM1 tiles never run (their tickets
+    taken beforehand) stops waiting after ``max_polls``: the error word is set and its rows of
+    ``y`` are NaN; nothing hangs. Needs at least one scheduled row."""
     tokens, hidden = x.shape
     num_local, two_i, _ = w13.shape
     inter, top_k = two_i // 2, ids.shape[1]
@@ -194,18 +194,15 @@ def check_decode_wait_gives_up(tm, x, w13, w2, tw, ids):
     g1, g2 = tm.pick_configs(tokens, top_k, num_local, hidden, inter, one_launch=True)
     counts = torch.empty(num_local, dtype=torch.int32, device=x.device)
     sorted_rows = torch.empty(rows, dtype=torch.int32, device=x.device)
-    sync = torch.full((tm.decode_sync_words(tokens, top_k, num_local, g1["BLOCK_M"]),), 7, dtype=torch.int32,
-                      device=x.device)
+    sync = torch.full((tm.decode_sync_words(rows, num_local, g1["BLOCK_M"]),), 7, dtype=torch.int32, device=x.device)
     tm.launch_schedule(ids, None, counts, sorted_rows, num_local, num_local, kernel=tm._moe_schedule_zero_kernel,
                        extra_programs=1, extra_args=(sync, sync.numel()))
     assert int(sync.abs().sum()) == 0, "the schedule launch zeroes the sync words"
-    num_m = sync.numel() - tm.SYNC_TILES - tokens
+    num_m = sync.numel() - tm.SYNC_TILES
     sync[tm.SYNC_TICKET] = num_m * -(-inter // g1["BLOCK_N"])  # every GEMM1 item already drawn
     act = torch.zeros(rows, inter, dtype=x.dtype, device=x.device)
     y = torch.zeros(rows, hidden, dtype=x.dtype, device=x.device)
-    out = torch.zeros_like(x)
-    tm.launch_decode_experts(x, w13, w2, tw, ids, None, num_local, out, act, y, sorted_rows, counts, sync, (g1, g2),
+    tm.launch_decode_experts(x, w13, w2, act, y, sorted_rows, counts, sync, rows, top_k, (g1, g2),
                              interpret=tm._interpreting(), max_polls=3)
     assert int(sync[tm.SYNC_ERROR]) == 1
     assert torch.isnan(y).all(), "every scheduled row's GEMM2 tile gave up"
-    assert torch.isnan(out).all()
