@@ -357,20 +357,25 @@ def bench_rows_fp8(shapes, tokens_list, routings, seed, log, peak_fp8, clocks, o
     return rows
 
 
+def target_ms(row) -> float:
+    """The time the issue's target asks of kittens in this row: at 128 tokens and more 1.1x the
+    floor where weights dominate, 1.25x where compute does; below, half the best baseline's."""
+    if row["tokens"] < 128:
+        return min(row["torch_ms"], row["transformers_ms"]) / 2.0
+    return (1.1 if row["bound"] == "weights" else 1.25) * row["floor_ms"]
+
+
 def judge(row):
     notes = []
     ok = row["rel_err"]["kittens"] <= 1e-2
     if not ok:
         notes.append("correctness")
     if row["tokens"] >= 128:
-        limit = 1.1 if row["bound"] == "weights" else 1.25
-        target = f"<= {limit}x floor ({row['bound']})"
-        if row["ratio_to_floor"] > limit:
-            ok = False
+        target = f"<= {1.1 if row['bound'] == 'weights' else 1.25}x floor ({row['bound']})"
     else:
         target = ">= 2x best baseline"
-        if row["speedup_vs_best_baseline"] < 2.0:
-            ok = False
+    if row["kittens_ms"] > target_ms(row):
+        ok = False
     if row["speedup_vs_best_baseline"] < 1.0:
         ok = False
         notes.append("slower than a baseline")
@@ -628,7 +633,70 @@ def write_markdown(meta, rows, path):
         )
     met = sum(r["target_met"] for r in rows)
     lines += ["", f"Targets met: {met} / {len(rows)} rows."]
+    lines += _misses_markdown(meta, rows)
     path.write_text("\n".join(lines) + "\n")
+
+
+# Dense BF16 wgmma: 4096 FLOP per SM per clock on Hopper.
+BF16_FLOP_PER_SM_CLOCK = 4096
+# The H200's HBM3e rate by the vendor's datasheet: no kernel reads faster.
+HBM_DATASHEET_TB_S = 4.8
+
+
+def miss_reading(row, best_tb_s: float, sms: int) -> dict:
+    """By how much a row misses its target and what the target asks of the hardware: the HBM
+    rate, against the datasheet and against ``best_tb_s`` (the fastest any kittens row of the run
+    read its bytes), and the useful FLOP rate, against the dense tensor peak at the SM clock
+    sampled during kittens' replays."""
+    need = target_ms(row)
+    need_tb_s = row["bytes"] / need / 1e9
+    need_tflops = row["flops"] / need / 1e9
+    clock = (row.get("clock") or {}).get("kittens")
+    peak = BF16_FLOP_PER_SM_CLOCK * sms * clock["sm_mhz"] * 1e6 / 1e12 if clock and sms else None
+    if need_tb_s > HBM_DATASHEET_TB_S:
+        why = f"above the HBM datasheet rate ({HBM_DATASHEET_TB_S} TB/s)"
+    elif need_tb_s > best_tb_s:
+        why = f"faster than any row of this run read its bytes ({best_tb_s:.2f} TB/s)"
+    elif peak and need_tflops > 0.5 * peak:
+        why = f"compute: {need_tflops / peak:.0%} of the tensor peak at kittens' SM clock"
+    else:
+        why = f"weight streaming: {need_tb_s / best_tb_s:.0%} of the best rate of this run"
+    return dict(need_ms=need, short_pct=100.0 * (row["kittens_ms"] / need - 1.0), need_tb_s=need_tb_s,
+                need_tflops=need_tflops, kittens_tb_s=row["bytes"] / row["kittens_ms"] / 1e9,
+                kittens_tflops=row["flops"] / row["kittens_ms"] / 1e9, peak_tflops=peak, why=why)
+
+
+def _misses_markdown(meta, rows) -> list[str]:
+    misses = [r for r in rows if not r["target_met"]]
+    if not misses:
+        return []
+    best = max(r["bytes"] / r["kittens_ms"] / 1e9 for r in rows)
+    lines = [
+        "", "## Targets not met: by how much, and what they ask of the hardware", "",
+        f"The HBM rate and useful FLOP rate each target needs, against the HBM datasheet rate "
+        f"({HBM_DATASHEET_TB_S} TB/s), the fastest any kittens row of this run read its bytes ({best:.2f} TB/s; "
+        f"the torch-sum read rate above is {meta['read_tb_s']:.2f}) and the dense BF16 tensor peak at the SM clock "
+        f"sampled during kittens' replays ({BF16_FLOP_PER_SM_CLOCK} FLOP per SM per clock, {meta.get('sms', '?')} "
+        "SMs). Profiles and the reasons behind each kind of miss: kernels/NOTES.md (Profiles; Why the "
+        "compute-bound end stays at 1.35-1.85x the floor; Decode).",
+        "",
+        "| shape | tokens | routing | target | needs ms | kittens ms | short by | needs TB/s | kittens TB/s | "
+        "needs TFLOP/s | kittens TFLOP/s | tensor peak TFLOP/s | reading |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    kinds: dict[str, int] = {}
+    for r in misses:
+        m = miss_reading(r, best, meta.get("sms", 0))
+        kind = m["why"].split(":")[0].split(" (")[0]
+        kinds[kind] = kinds.get(kind, 0) + 1
+        peak = f"{m['peak_tflops']:.0f}" if m["peak_tflops"] else "-"
+        lines.append(
+            f"| {r['shape']} | {r['tokens']} | {r['routing']} | {r['target']} | {m['need_ms']:.3f} | "
+            f"{r['kittens_ms']:.3f} | {m['short_pct']:.1f}% | {m['need_tb_s']:.2f} | {m['kittens_tb_s']:.2f} | "
+            f"{m['need_tflops']:.0f} | {m['kittens_tflops']:.0f} | {peak} | {m['why']} |"
+        )
+    lines += ["", "Misses by reading: " + "; ".join(f"{k}: {n}" for k, n in sorted(kinds.items())) + "."]
+    return lines
 
 
 def write_markdown_fp8(meta, rows, path):

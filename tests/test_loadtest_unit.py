@@ -293,7 +293,8 @@ def test_layer_markdown_shows_the_clock_of_each_row(tmp_path):
 
     base = dict(shape="DeepSeek-V3", tokens=8192, routing="uniform", kittens_ms=12.6, floor_ms=7.31, bound="compute",
                 ratio_to_floor=1.72, torch_ms=18.2, transformers_ms=20.2, speedup_vs_torch=1.44,
-                speedup_vs_transformers=1.6, target="<= 1.25x floor (compute)", target_met=False)
+                speedup_vs_transformers=1.6, target="<= 1.25x floor (compute)", target_met=False,
+                flops=5.77e12, bytes=2.3e10)
     rows = [{**base, "clock": {"kittens": dict(sm_mhz=1410.0, power_w=690.0, power_capped=0.92, samples=40)}},
             {**base, "tokens": 2048, "clock": {"kittens": None}}]
     meta = dict(gpu="NVIDIA H200", commit="abc1234", date="d", torch="t", triton="3.6.0", transformers="5",
@@ -303,6 +304,37 @@ def test_layer_markdown_shows_the_clock_of_each_row(tmp_path):
     assert "| 1.72 | 1410 MHz (cap 92%) | 18.200 |" in table[0]
     assert "| 1.72 | - | 18.200 |" in table[1]
     assert clock_text(None) == "-"
+
+
+def test_layer_markdown_says_by_how_much_each_missed_target_is_missed(tmp_path):
+    from mok_serve.loadtest.layer_bench import judge, write_markdown
+
+    def row(tokens, kittens_ms, floor_ms, bound, best_ms, flops, nbytes, mhz=1980.0):
+        r = dict(shape="S", tokens=tokens, routing="uniform", kittens_ms=kittens_ms, floor_ms=floor_ms, bound=bound,
+                 ratio_to_floor=kittens_ms / floor_ms, torch_ms=best_ms, transformers_ms=best_ms * 1.1,
+                 speedup_vs_torch=best_ms / kittens_ms, speedup_vs_transformers=best_ms * 1.1 / kittens_ms,
+                 speedup_vs_best_baseline=best_ms / kittens_ms, rel_err=dict(kittens=1e-5), flops=flops, bytes=nbytes,
+                 clock=dict(kittens=dict(sm_mhz=mhz, power_w=600.0, power_capped=1.0, samples=20)))
+        return {**r, **judge(r)}
+
+    rows = [
+        row(128, 1.0, 1.0, "weights", 1.5, 1e12, 4.4e9),  # 1.0x the floor: met
+        row(8, 1.0, 1.0, "weights", 1.6, 1e11, 4.4e9),  # 2x the baseline needs 5.5 TB/s
+        row(1, 0.1, 0.08, "weights", 0.19, 1e9, 3.6e8),  # needs 0.095 ms: 3.79 TB/s
+        row(8192, 10.0, 7.0, "compute", 15.0, 5.53e12, 2e10, mhz=1500.0),  # needs 8.75 ms
+    ]
+    assert [r["target_met"] for r in rows] == [True, False, False, False]
+    meta = dict(gpu="NVIDIA H200", commit="abc1234", date="d", torch="t", triton="3", transformers="5",
+                timing="graphs", read_tb_s=4.2, sms=132)
+    write_markdown(meta, rows, tmp_path / "t.md")
+    text = (tmp_path / "t.md").read_text()
+    misses = [line for line in text.split("## Targets not met")[1].splitlines() if line.startswith("| S |")]
+    assert len(misses) == 3 and not any(line.startswith("| S | 128 |") for line in misses)
+    assert "| 0.800 | 1.000 | 25.0% | 5.50 | 4.40 |" in misses[0] and "above the HBM datasheet rate" in misses[0]
+    # The fastest read of the run is the met row's 4.4 TB/s; 3.79 is 86% of it.
+    assert "| 0.095 | 0.100 | 5.3% | 3.79 | 3.60 |" in misses[1] and "weight streaming: 86%" in misses[1]
+    # 4096 FLOP per SM per clock x 132 SMs x 1.5 GHz = 811 TFLOP/s; 632 of them is 78%.
+    assert "| 8.750 | 10.000 | 14.3% |" in misses[2] and "| 632 | 553 | 811 | compute: 78%" in misses[2]
 
 
 def _ep_run(world, rows, commit="abc1234"):
