@@ -446,6 +446,12 @@ def run_rank(rank, world, args):
     return out_rows
 
 
+def target_ms(row) -> float:
+    """The time the issue's target asks of kittens in this row: 1.25x the floor at 128 tokens per
+    rank and more, half the best baseline's below."""
+    return 1.25 * row["floor_ms"] if row["tokens"] >= 128 else row["best_baseline_ms"] / 2.0
+
+
 def summarize(per_rank):
     r0 = per_rank[0]
     row = {k: r0[k] for k in ("shape", "world", "tokens", "routing", "experts", "hidden", "inter", "top_k")}
@@ -486,13 +492,8 @@ def summarize(per_rank):
     row["err_limit"] = 8e-2 if row["quant"].startswith("fp8") else 2e-2
     row["peak_flops"] = terms[0].get("peak_flops", PEAK_FLOPS)
     ok = row["rel_err_vs_a2a"]["pull"] <= row["err_limit"] and row["variants_equal"]
-    if row["tokens"] >= 128:
-        target = "<= 1.25x floor"
-        ok = ok and row["ratio_to_floor"] <= 1.25
-    else:
-        target = ">= 2x best baseline"
-        ok = ok and row["speedup_vs_best_baseline"] >= 2.0
-    ok = ok and row["speedup_vs_best_baseline"] >= 1.0
+    target = "<= 1.25x floor" if row["tokens"] >= 128 else ">= 2x best baseline"
+    ok = ok and row["kittens_ms"] <= target_ms(row) and row["speedup_vs_best_baseline"] >= 1.0
     row["target"], row["target_met"] = target, ok
     return row
 
@@ -561,6 +562,7 @@ def markdown(rows, meta):
             ms = r["ms"]
             out.append(f"| {r['shape']} | {r['tokens']} | {r['routing']} | {ms['kittens_pull']:.3f} | "
                        f"{ms['kittens_nopdl']:.3f} | {ms['kittens_pull'] / ms['kittens_nopdl']:.3f} |")
+    out += _misses_markdown([r for r in rows if "error" not in r and not r["target_met"]])
     served = [r for r in rows if "error" not in r and "kittens_limit" in r["ms"]]
     if served:
         limit = meta["serving_limit"]
@@ -576,6 +578,29 @@ def markdown(rows, meta):
             out.append(f"| {r['shape']} | {r['tokens']} | {r['routing']} | {own:.3f} | {lim:.3f} | {bnd:.3f} | "
                        f"{lim / own:.2f} | {bnd / own:.2f} |")
     return "\n".join(out) + "\n"
+
+
+def _misses_markdown(misses) -> list[str]:
+    """Each missed row: the time its target asks for, by how much kittens misses it, that time
+    against the floor (below 1: no implementation can meet it), and the share of kittens' call
+    spent waiting for the completion flags."""
+    if not misses:
+        return []
+    out = ["", "## Targets not met: by how much", "",
+           "needs x floor below 1 means the target lies below the floor, where no implementation can meet it. "
+           "Where the time of the others goes (per-kernel profiles of both ranks): kernels/NOTES.md, Expert "
+           "parallel, and `loadtest/results/ep_profile_*.md`.", "",
+           "| shape | tokens/rank | routing | target | needs ms | kittens ms | short by | floor ms (bound) | "
+           "needs x floor | wait(C) share of the call | reading |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in misses:
+        need = target_ms(r)
+        wait = r["wait_us"]["pull"] / 1e3 / r["kittens_ms"]
+        reading = (f"below the floor ({r['bound']})" if need < r["floor_ms"]
+                   else f"kittens at {r['ratio_to_floor']:.2f}x the floor ({r['bound']})")
+        out.append(f"| {r['shape']} | {r['tokens']} | {r['routing']} | {r['target']} | {need:.3f} | "
+                   f"{r['kittens_ms']:.3f} | {100 * (r['kittens_ms'] / need - 1):.1f}% | {r['floor_ms']:.3f} "
+                   f"({r['bound']}) | {need / r['floor_ms']:.2f} | {wait:.0%} | {reading} |")
+    return out
 
 
 PLOT_SERIES = (  # (key of row["ms"] or of the row, label, color); kittens in blues, baselines warm, floor black

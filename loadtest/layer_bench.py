@@ -24,7 +24,8 @@ The floor counts FP8 weight bytes (1 per element plus the fp32 block scales) and
 dense FP8 rate measured in the same run (``torch._scaled_mm``, 16384 x 7168 x 4096).
 
 ``main(argv)`` is the entry point (``mok-loadtest layer``); ``--sweep`` times block-size variants
-of kittens at a few points instead, and ``--profile`` splits a call's device time by kernel.
+of kittens at a few points instead, ``--profile`` splits a call's device time by kernel, and
+``--replot RESULT.json`` rewrites an earlier run's Markdown and plot from its JSON (no GPU).
 """
 
 from __future__ import annotations
@@ -802,7 +803,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fp8", action="store_true",
                    help="block-FP8 experts (default shapes DeepSeek-V3,Kimi-K2; results layer_bench_fp8.*); "
                    "with --sweep, the FP8 kernels' variants")
+    p.add_argument("--replot", metavar="RESULT.json", default=None,
+                   help="rewrite RESULT.md and RESULT.png from an earlier run's JSON (no GPU) and exit")
     args = p.parse_args(argv)
+    if args.replot:
+        src = pathlib.Path(args.replot)
+        data = json.loads(src.read_text())
+        fp8 = "fp8_tflops" in data["meta"]
+        (write_markdown_fp8 if fp8 else write_markdown)(data["meta"], data["rows"], src.with_suffix(".md"))
+        write_plot(data["rows"], src.with_suffix(".png"))
+        print(f"wrote {src.with_suffix('.md')} and {src.with_suffix('.png')}")
+        return 0
     try:  # bad points fail here, before any GPU work
         for key in ("profile", "sweep_points"):
             if getattr(args, key):

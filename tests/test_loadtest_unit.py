@@ -307,7 +307,9 @@ def test_layer_markdown_shows_the_clock_of_each_row(tmp_path):
 
 
 def test_layer_markdown_says_by_how_much_each_missed_target_is_missed(tmp_path):
-    from mok_serve.loadtest.layer_bench import judge, write_markdown
+    import json
+
+    from mok_serve.loadtest.layer_bench import judge, main
 
     def row(tokens, kittens_ms, floor_ms, bound, best_ms, flops, nbytes, mhz=1980.0):
         r = dict(shape="S", tokens=tokens, routing="uniform", kittens_ms=kittens_ms, floor_ms=floor_ms, bound=bound,
@@ -326,7 +328,9 @@ def test_layer_markdown_says_by_how_much_each_missed_target_is_missed(tmp_path):
     assert [r["target_met"] for r in rows] == [True, False, False, False]
     meta = dict(gpu="NVIDIA H200", commit="abc1234", date="d", torch="t", triton="3", transformers="5",
                 timing="graphs", read_tb_s=4.2, sms=132)
-    write_markdown(meta, rows, tmp_path / "t.md")
+    (tmp_path / "t.json").write_text(json.dumps(dict(meta=meta, rows=rows)))
+    assert main(["--replot", str(tmp_path / "t.json")]) == 0  # the report, rewritten from the JSON
+    assert (tmp_path / "t.png").stat().st_size > 10_000
     text = (tmp_path / "t.md").read_text()
     misses = [line for line in text.split("## Targets not met")[1].splitlines() if line.startswith("| S |")]
     assert len(misses) == 3 and not any(line.startswith("| S | 128 |") for line in misses)
@@ -382,6 +386,27 @@ def test_ep_bench_replot_writes_markdown_and_plot(tmp_path):
     assert "| A | 128 | skewed | 1.000 | 1.200 | 1.000 | 3.300 | 3.000 |" in md
     assert "workspace for" not in md
     assert (tmp_path / "ep.png").stat().st_size > 10_000
+
+
+def test_ep_bench_says_by_how_much_each_missed_target_is_missed():
+    from mok_serve.loadtest import ep_bench
+
+    run = _ep_run(2, [("A", 32, "uniform", 1.0, 1.5), ("A", 512, "skewed", 1.0, 3.0), ("A", 128, "uniform", 0.6, 3.0)])
+    rows = run["rows"]
+    for r in rows:
+        r["floor_ms"], r["ratio_to_floor"] = 0.5, r["kittens_ms"] / 0.5
+        r["target"] = "<= 1.25x floor" if r["tokens"] >= 128 else ">= 2x best baseline"
+        r["target_met"] = r["kittens_ms"] <= ep_bench.target_ms(r)
+    assert [r["target_met"] for r in rows] == [False, False, True]
+    rows[1]["wait_us"]["pull"] = 250.0
+    misses = [line for line in ep_bench.markdown(rows, run["meta"]).split("## Targets not met")[1].splitlines()
+              if line.startswith("| A |")]
+    assert len(misses) == 2
+    # 2x the best baseline asks for 0.75 ms, 1.5x the floor; 1.25x the floor is 0.625 ms.
+    assert "| 0.750 | 1.000 | 33.3% | 0.500 (hbm) | 1.50 | 0% | kittens at 2.00x the floor (hbm) |" in misses[0]
+    assert "| 0.625 | 1.000 | 60.0% | 0.500 (hbm) | 1.25 | 25% |" in misses[1]
+    rows[0]["best_baseline_ms"] = 0.8  # now the target (0.4 ms) lies below the floor
+    assert "below the floor (hbm)" in ep_bench.markdown(rows, run["meta"]).split("## Targets not met")[1]
 
 
 def test_ep_bench_reports_the_slowest_ranks_clock():
