@@ -655,16 +655,16 @@ def miss_reading(row, best_tb_s: float, sms: int) -> dict:
     clock = (row.get("clock") or {}).get("kittens")
     peak = BF16_FLOP_PER_SM_CLOCK * sms * clock["sm_mhz"] * 1e6 / 1e12 if clock and sms else None
     if need_tb_s > HBM_DATASHEET_TB_S:
-        why = f"above the HBM datasheet rate ({HBM_DATASHEET_TB_S} TB/s)"
+        kind, detail = "above the HBM datasheet rate", f"{HBM_DATASHEET_TB_S} TB/s"
     elif need_tb_s > best_tb_s:
-        why = f"faster than any row of this run read its bytes ({best_tb_s:.2f} TB/s)"
+        kind, detail = "faster than any row of this run read its bytes", f"{best_tb_s:.2f} TB/s"
     elif peak and need_tflops > 0.5 * peak:
-        why = f"compute: {need_tflops / peak:.0%} of the tensor peak at kittens' SM clock"
+        kind, detail = "compute", f"{need_tflops / peak:.0%} of the tensor peak at kittens' SM clock"
     else:
-        why = f"weight streaming: {need_tb_s / best_tb_s:.0%} of the best rate of this run"
+        kind, detail = "weight streaming", f"{need_tb_s / best_tb_s:.0%} of the best rate of this run"
     return dict(need_ms=need, short_pct=100.0 * (row["kittens_ms"] / need - 1.0), need_tb_s=need_tb_s,
                 need_tflops=need_tflops, kittens_tb_s=row["bytes"] / row["kittens_ms"] / 1e9,
-                kittens_tflops=row["flops"] / row["kittens_ms"] / 1e9, peak_tflops=peak, why=why)
+                kittens_tflops=row["flops"] / row["kittens_ms"] / 1e9, peak_tflops=peak, kind=kind, detail=detail)
 
 
 def _misses_markdown(meta, rows) -> list[str]:
@@ -688,13 +688,12 @@ def _misses_markdown(meta, rows) -> list[str]:
     kinds: dict[str, int] = {}
     for r in misses:
         m = miss_reading(r, best, meta.get("sms", 0))
-        kind = m["why"].split(":")[0].split(" (")[0]
-        kinds[kind] = kinds.get(kind, 0) + 1
+        kinds[m["kind"]] = kinds.get(m["kind"], 0) + 1
         peak = f"{m['peak_tflops']:.0f}" if m["peak_tflops"] else "-"
         lines.append(
             f"| {r['shape']} | {r['tokens']} | {r['routing']} | {r['target']} | {m['need_ms']:.3f} | "
             f"{r['kittens_ms']:.3f} | {m['short_pct']:.1f}% | {m['need_tb_s']:.2f} | {m['kittens_tb_s']:.2f} | "
-            f"{m['need_tflops']:.0f} | {m['kittens_tflops']:.0f} | {peak} | {m['why']} |"
+            f"{m['need_tflops']:.0f} | {m['kittens_tflops']:.0f} | {peak} | {m['kind']}: {m['detail']} |"
         )
     lines += ["", "Misses by reading: " + "; ".join(f"{k}: {n}" for k, n in sorted(kinds.items())) + "."]
     return lines
