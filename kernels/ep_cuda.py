@@ -89,6 +89,7 @@ from .triton_moe import (
     _gemm2_tile,
     _grid_dependency,
     _interpreting,
+    _now,
     _tile_rows,
     combine_block,
     launch_gemm1,
@@ -128,15 +129,6 @@ WHAT = {POSTED: "post its tokens", COMPUTED: "finish its experts", ROWS: "delive
 # ----------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _now(USE_TIMER: tl.constexpr):
-    if USE_TIMER:
-        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
-    else:
-        t = tl.full((), 0, tl.int64)
-    return t
 
 
 @triton.jit

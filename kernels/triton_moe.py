@@ -121,6 +121,17 @@ def _grid_dependency(PDL: tl.constexpr):
 
 
 @triton.jit
+def _now(USE_TIMER: tl.constexpr):
+    """The GPU's global nanosecond clock (``%globaltimer``), or 0 without ``USE_TIMER`` (the Triton
+    interpreter has no inline assembly)."""
+    if USE_TIMER:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    else:
+        t = tl.full((), 0, tl.int64)
+    return t
+
+
+@triton.jit
 def _moe_schedule_kernel(
     topk_ids_ptr, expert_map_ptr, counts_ptr, sorted_rows_ptr,
     num_rows, num_global, num_local, stride_it, stride_ik,
@@ -497,7 +508,7 @@ def _moe_schedule_zero_kernel(
 
 @triton.jit
 def _moe_decode_experts_kernel(
-    x_ptr, w13_ptr, w13_desc, w2_ptr, w2_desc, act_ptr, y_ptr, sorted_rows_ptr, counts_ptr, sync_ptr,
+    x_ptr, w13_ptr, w13_desc, w2_ptr, w2_desc, act_ptr, y_ptr, sorted_rows_ptr, counts_ptr, sync_ptr, timeline_ptr,
     num_local, H, I, num_m, max_polls,
     stride_xt, stride_xh, stride_w13e, stride_w13n, stride_w13k, stride_w2e, stride_w2n, stride_w2k,
     TOPK: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -506,6 +517,7 @@ def _moe_decode_experts_kernel(
     BLOCK_N2: tl.constexpr, BLOCK_K2: tl.constexpr, STAGES2: tl.constexpr, EVEN_K2: tl.constexpr,
     EVEN_N2: tl.constexpr, USE_TMA2: tl.constexpr,
     DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr, SWAP_AB: tl.constexpr, PDL: tl.constexpr,
+    TIMELINE: tl.constexpr,
 ):
     """GEMM1 and GEMM2 in one launch (decode sizes): no grid-wide barrier between them, so the
     weight stream does not drain and refill at the boundary, and GEMM2 tiles fill the SMs that
@@ -518,9 +530,11 @@ def _moe_decode_experts_kernel(
     (acquire, bounded by ``max_polls``) until all GEMM1 column tiles of its row tile are done.
     A wait that runs out, which only a bug could cause, sets the error word and writes NaN into
     the tile's rows instead of hanging or computing on unwritten data. Each tile's arithmetic is
-    that of the two-launch kernels, so the bits are the same."""
+    that of the two-launch kernels, so the bits are the same. ``TIMELINE`` records each item's
+    times (``_timeline_record``) for the profile, without changing what is computed."""
     _grid_dependency(PDL)
     item = tl.atomic_add(sync_ptr + _SYNC_TICKET, 1, sem="relaxed")
+    t_start = _now(TIMELINE)
     num_n1 = tl.cdiv(I, BLOCK_N1)
     gemm1_items = num_m * num_n1
     if item < gemm1_items:
@@ -535,6 +549,8 @@ def _moe_decode_experts_kernel(
             )
             tl.debug_barrier()
             tl.atomic_add(sync_ptr + _SYNC_TILES + item // num_n1, 1, sem="release", scope="gpu")
+            if TIMELINE:
+                _timeline_record(timeline_ptr, item, t_start, t_start)
     elif item < gemm1_items + num_m * tl.cdiv(H, BLOCK_N2):  # (a ticket past the last item does nothing)
         item2 = item - gemm1_items
         in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
@@ -549,6 +565,7 @@ def _moe_decode_experts_kernel(
                 done = tl.atomic_add(done_ptr, 0, sem="acquire", scope="gpu")
                 polls += 1
             tl.debug_barrier()
+            t_ready = _now(TIMELINE)
             if done < num_n1:
                 tl.atomic_xchg(sync_ptr + _SYNC_ERROR, 1, sem="relaxed")
                 offs_m, row_ok, rows = _tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
@@ -561,6 +578,27 @@ def _moe_decode_experts_kernel(
                     stride_w2e, stride_w2n, stride_w2k,
                     BLOCK_M, BLOCK_N2, BLOCK_K2, EVEN_K2, EVEN_N2, DOT_IEEE, DOT_F32, USE_TMA2, SWAP_AB, STAGES2,
                 )
+            if TIMELINE:
+                _timeline_record(timeline_ptr, item, t_start, t_ready)
+
+
+# A decode timeline record (int64 words per work item): drawn, ready (a GEMM2 item's wait over),
+# done, the SM it ran on, and 1 (items without rows leave their record at 0).
+TIMELINE_WORDS = 5
+_TIMELINE_WORDS = tl.constexpr(TIMELINE_WORDS)
+
+
+@triton.jit
+def _timeline_record(timeline_ptr, item, t_start, t_ready):
+    tl.debug_barrier()  # every thread's part of the item is done
+    t_end = _now(True)
+    sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    rec = timeline_ptr + item.to(tl.int64) * _TIMELINE_WORDS
+    tl.store(rec + 0, t_start)
+    tl.store(rec + 1, t_ready)
+    tl.store(rec + 2, t_end)
+    tl.store(rec + 3, sm.to(tl.int64))
+    tl.store(rec + 4, tl.full((), 1, tl.int64))
 
 
 @triton.jit
@@ -887,6 +925,13 @@ def decode_sync_words(rows: int, num_local: int, block_m: int) -> int:
     return SYNC_TILES + _max_row_tiles(rows, num_local, block_m)
 
 
+def decode_items(rows: int, num_local: int, hidden: int, inter: int, configs: tuple[dict, dict]) -> int:
+    """Work items (and programs) of a one-launch decode call: every row tile's GEMM1 column tiles,
+    then its GEMM2 ones."""
+    g1, g2 = configs
+    return _max_row_tiles(rows, num_local, g1["BLOCK_M"]) * (triton.cdiv(inter, g1["BLOCK_N"]) + triton.cdiv(hidden, g2["BLOCK_N"]))
+
+
 def launch_decode_experts(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -902,10 +947,13 @@ def launch_decode_experts(
     *,
     interpret: bool,
     max_polls: int = DECODE_MAX_POLLS,
+    timeline: torch.Tensor | None = None,
 ) -> None:
     """``_moe_decode_experts_kernel``: ``launch_gemm1`` then ``launch_gemm2`` in one launch, with
     ``sync`` (``decode_sync_words`` int32 words) zeroed by ``_moe_schedule_zero_kernel`` in this
-    call's schedule launch. ``configs``: ``pick_configs``' pair, ``one_launch_decode`` true."""
+    call's schedule launch. ``configs``: ``pick_configs``' pair, ``one_launch_decode`` true.
+    ``timeline`` (compiled code only): zeroed int64 ``[decode_items(...), TIMELINE_WORDS]`` that
+    the call fills with one record per work item (``_timeline_record``)."""
     num_local, two_i, hidden = w13.shape
     inter = two_i // 2
     g1 = _gemm_config(configs[0], act, interpret)
@@ -917,8 +965,15 @@ def launch_decode_experts(
     bm, bn1, bk1, bn2, bk2 = g1["BLOCK_M"], g1["BLOCK_N"], g1["BLOCK_K"], g2["BLOCK_N"], g2["BLOCK_K"]
     num_m = _max_row_tiles(rows, num_local, bm)
     assert sync.numel() == SYNC_TILES + num_m and sync.dtype == torch.int32
-    _moe_decode_experts_kernel[(num_m * (triton.cdiv(inter, bn1) + triton.cdiv(hidden, bn2)),)](
+    items = decode_items(rows, num_local, hidden, inter, (g1, g2))
+    if timeline is not None:
+        if interpret or not timeline.is_cuda:
+            raise ValueError("the decode timeline reads the GPU clock: compiled CUDA code only")
+        if timeline.shape != (items, TIMELINE_WORDS) or timeline.dtype != torch.int64:
+            raise ValueError(f"timeline must be int64 [{items}, {TIMELINE_WORDS}], got {timeline.dtype} {list(timeline.shape)}")
+    _moe_decode_experts_kernel[(items,)](
         x, w13, w13_desc, w2, w2_desc, act, y, sorted_rows, counts, sync,
+        sync if timeline is None else timeline,  # (dummy pointer without a timeline)
         num_local, hidden, inter, num_m, max_polls,
         x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), w2.stride(0), w2.stride(1), w2.stride(2),
         TOPK=top_k, E_PAD=_e_pad(num_local), BLOCK_M=bm,
@@ -927,7 +982,7 @@ def launch_decode_experts(
         BLOCK_N2=bn2, BLOCK_K2=bk2, STAGES2=g2["num_stages"], EVEN_K2=inter % bk2 == 0, EVEN_N2=hidden % bn2 == 0,
         USE_TMA2=g2["USE_TMA"],
         DOT_IEEE=act.dtype == torch.float32 or interpret, DOT_F32=interpret, SWAP_AB=g1["SWAP_AB"],
-        num_warps=g1["num_warps"], num_stages=g1["num_stages"], **pdl_launch(act),
+        TIMELINE=timeline is not None, num_warps=g1["num_warps"], num_stages=g1["num_stages"], **pdl_launch(act),
     )
 
 
@@ -998,12 +1053,14 @@ def fused_moe_triton(
     expert_map: torch.Tensor | None = None,
     activation: str = "silu",
     _configs: tuple[dict, dict] | None = None,
+    _timeline: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The routed experts of one MoE layer (see ``reference.py``) in four Triton launches.
 
     No host synchronisation, except the eager range check of ``topk_ids`` / ``expert_map`` by
     ``check_fused_moe_args`` (skipped while a CUDA graph is being captured). ``_configs``
-    overrides the block sizes (benchmark sweeps only).
+    overrides the block sizes (benchmark sweeps only); ``_timeline`` receives the one-launch
+    decode kernel's per-item records (profiles only, see ``launch_decode_experts``).
     """
     capturing = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
     check_fused_moe_args(
@@ -1026,7 +1083,9 @@ def fused_moe_triton(
         launch_schedule(topk_ids, expert_map, counts, sorted_rows, num_local, num_global,
                         kernel=_moe_schedule_zero_kernel, extra_programs=1, extra_args=(sync, sync.numel()))
         launch_decode_experts(hidden_states, w13, w2, act, y, sorted_rows, counts, sync, rows, top_k, (g1, g2),
-                              interpret=interpret)
+                              interpret=interpret, timeline=_timeline)
+    elif _timeline is not None:
+        raise ValueError("a timeline records the one-launch decode kernel, and this call's configs do not run it")
     else:
         launch_schedule(topk_ids, expert_map, counts, sorted_rows, num_local, num_global)
         launch_gemm1(hidden_states, w13, act, sorted_rows, counts, rows, top_k, g1, interpret=interpret)

@@ -24,8 +24,9 @@ The floor counts FP8 weight bytes (1 per element plus the fp32 block scales) and
 dense FP8 rate measured in the same run (``torch._scaled_mm``, 16384 x 7168 x 4096).
 
 ``main(argv)`` is the entry point (``mok-loadtest layer``); ``--sweep`` times block-size variants
-of kittens at a few points instead, ``--profile`` splits a call's device time by kernel, and
-``--replot RESULT.json`` rewrites an earlier run's Markdown and plot from its JSON (no GPU).
+of kittens at a few points instead, ``--profile`` splits a call's device time by kernel,
+``--timeline`` records the one-launch decode kernel's work items in time, and ``--replot
+RESULT.json`` rewrites an earlier run's Markdown and plot from its JSON (no GPU).
 """
 
 from __future__ import annotations
@@ -603,6 +604,103 @@ def profile(shapes, points, seed, log, calls=10):
     return results
 
 
+def decode_item_bytes(configs, hidden, inter, rows, num_local, elem_bytes=2) -> torch.Tensor:
+    """Weight bytes each work item of the one-launch decode kernel reads (its grid order: GEMM1
+    column tiles of each row tile, then GEMM2's), for ``timeline_summary``."""
+    from mok_serve.kernels.triton_moe import _max_row_tiles
+
+    g1, g2 = configs
+    num_m = _max_row_tiles(rows, num_local, g1["BLOCK_M"])
+    cols1 = [min(g1["BLOCK_N"], inter - n0) for n0 in range(0, inter, g1["BLOCK_N"])]
+    cols2 = [min(g2["BLOCK_N"], hidden - n0) for n0 in range(0, hidden, g2["BLOCK_N"])]
+    per1 = [2 * c * hidden * elem_bytes for c in cols1]  # gate and up rows
+    per2 = [c * inter * elem_bytes for c in cols2]
+    return torch.tensor(per1 * num_m + per2 * num_m, dtype=torch.float64)
+
+
+def timeline_summary(records: torch.Tensor, item_bytes: torch.Tensor, gemm1_items: int, bin_us: float = 0.5) -> dict:
+    """What one decode call's timeline says (``records``: ``TIMELINE_WORDS`` int64 per item, ns).
+    Each item's bytes are spread evenly over its [ready, done] span to give the read rate over
+    time; ``steady`` is its median over the middle 60% of the call. ``ramp_us``: until the rate
+    first reaches 90% of steady; ``tail_us``: after it last does; ``lost_us``: the call's span
+    beyond its bytes at the steady rate."""
+    rec = records.to(torch.float64)
+    used = records[:, 4] == 1
+    idx = torch.nonzero(used).flatten()
+    t0 = rec[used, 0].min()
+    start, ready, done = ((rec[idx, j] - t0) / 1e3 for j in range(3))  # us
+    nbytes = item_bytes[idx]
+    span = float(done.max())
+    nbins = max(1, int(span / bin_us) + 1)
+    rate = torch.zeros(nbins, dtype=torch.float64)
+    for b0, b1, n in zip(ready.tolist(), done.tolist(), nbytes.tolist()):
+        lo, hi = int(b0 / bin_us), max(int(b0 / bin_us), int(b1 / bin_us))
+        rate[lo:hi + 1] += n / (hi - lo + 1)
+    rate_tb_s = rate / (bin_us * 1e-6) / 1e12
+    mid = rate_tb_s[int(0.2 * nbins):max(int(0.2 * nbins) + 1, int(0.8 * nbins))]
+    steady = float(mid.median())
+    hot = torch.nonzero(rate_tb_s >= 0.9 * steady).flatten()
+    ramp = float(hot[0]) * bin_us if len(hot) else span
+    tail = span - float(hot[-1] + 1) * bin_us if len(hot) else span
+    g2 = idx >= gemm1_items
+    wait = (ready - start)[g2]
+    busy = float((done - start).sum())
+    return dict(span_us=span, bytes=float(nbytes.sum()), steady_tb_s=steady,
+                lost_us=span - float(nbytes.sum()) / (steady * 1e12) * 1e6, ramp_us=ramp, tail_us=max(0.0, tail),
+                last_draw_us=float(start.max()), items=len(idx), sms=int(records[used, 3].unique().numel()),
+                gemm2_wait_mean_us=float(wait.mean()) if len(wait) else 0.0,
+                gemm2_wait_max_us=float(wait.max()) if len(wait) else 0.0,
+                gemm2_wait_share=float(wait.sum()) / busy if busy else 0.0)
+
+
+def timeline(shapes, points, seed, log, calls=5):
+    """The one-launch decode kernel's own timeline at each (shape, tokens, routing) point: every
+    work item's draw, ready and done times from ``%globaltimer`` (``fused_moe_triton(...,
+    _timeline=...)``), summarized by ``timeline_summary`` per call (L2 flushed before each; the
+    median over ``calls`` calls). Returns one dict per point, with the last call's records."""
+    from mok_serve.kernels import triton_moe as tm
+    from mok_serve.kernels.triton_moe import fused_moe_triton
+
+    results = []
+    for name, tokens, routing in points:
+        s = shapes[name]
+        E, H, I, K = s["routed_experts"], s["hidden"], s["moe_intermediate"], s["top_k"]
+        configs = tm.pick_configs(tokens, K, E, H, I, one_launch=True)
+        if not tm.one_launch_decode(*configs):
+            log(f"TIMELINE {name} T={tokens}: not a one-launch decode size, skipped")
+            continue
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        w13, w2 = random_experts(E, H, I, gen)
+        x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+        tw, ids = make_routing(tokens, E, K, routing, gen)
+        buf = torch.zeros(tm.decode_items(tokens * K, E, H, I, configs), tm.TIMELINE_WORDS, dtype=torch.int64,
+                          device="cuda")
+        item_bytes = decode_item_bytes(configs, H, I, tokens * K, E)
+        gemm1_items = tm._max_row_tiles(tokens * K, E, configs[0]["BLOCK_M"]) * -(-I // configs[0]["BLOCK_N"])
+        flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+        expect = fused_moe_triton(x, w13, w2, tw, ids, _configs=configs)
+        summaries = []
+        for _ in range(calls + 1):  # the first call compiles the timeline kernel
+            flush.zero_()
+            buf.zero_()
+            out = fused_moe_triton(x, w13, w2, tw, ids, _configs=configs, _timeline=buf)
+            torch.cuda.synchronize()
+            summaries.append(timeline_summary(buf.cpu(), item_bytes, gemm1_items))
+        if not torch.equal(out, expect):
+            raise AssertionError(f"{name} T={tokens}: the timeline changed the output")
+        med = {k: statistics.median(sm[k] for sm in summaries[1:]) for k in summaries[0]}
+        results.append(dict(shape=name, tokens=tokens, routing=routing, configs=configs, summary=med,
+                            records=buf.cpu().tolist()))
+        log(f"TIMELINE {name:16s} T={tokens:5d} {routing:7s} span {med['span_us']:6.1f} us, {med['bytes'] / 1e6:.0f} MB at "
+            f"steady {med['steady_tb_s']:.2f} TB/s: lost {med['lost_us']:5.1f} us (ramp {med['ramp_us']:4.1f}, tail "
+            f"{med['tail_us']:4.1f}); last draw at {med['last_draw_us']:6.1f} us; {med['items']:.0f} items on "
+            f"{med['sms']:.0f} SMs; GEMM2 wait mean {med['gemm2_wait_mean_us']:.1f} max {med['gemm2_wait_max_us']:.1f} "
+            f"us, {med['gemm2_wait_share']:.1%} of busy time")
+        del w13, w2, flush
+        torch.cuda.empty_cache()
+    return results
+
+
 # ---------------------------------------------------------------------------------- reports
 
 
@@ -797,6 +895,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", nargs="*", metavar="SHAPE:TOKENS[:ROUTING]", default=None,
                    help="instead: each kittens kernel's device time per call (torch.profiler) at these points "
                    "(routing as for --sweep-points)")
+    p.add_argument("--timeline", nargs="*", metavar="SHAPE:TOKENS[:ROUTING]", default=None,
+                   help="instead: the one-launch decode kernel's per-item timeline (%%globaltimer) at these decode "
+                   "points: steady read rate, time lost to its ramp and tail, GEMM2 waits")
     p.add_argument("--no-clocks", action="store_true",
                    help="do not sample the SM clock (NVML) while timing; the clock column shows '-'")
     p.add_argument("--fp8", action="store_true",
@@ -814,12 +915,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {src.with_suffix('.md')} and {src.with_suffix('.png')}")
         return 0
     try:  # bad points fail here, before any GPU work
-        for key in ("profile", "sweep_points"):
+        for key in ("profile", "sweep_points", "timeline"):
             if getattr(args, key):
                 setattr(args, key, parse_points(getattr(args, key)))
     except ValueError as exc:
         p.error(str(exc))
-    unknown = {pt[0] for pt in (args.profile or []) + (args.sweep_points or [])} - set(load_shapes())
+    unknown = {pt[0] for pt in (args.profile or []) + (args.sweep_points or []) + (args.timeline or [])} - set(load_shapes())
     if unknown:
         p.error(f"unknown shape(s) {', '.join(sorted(unknown))}; known: {', '.join(load_shapes())}")
     if not torch.cuda.is_available():
@@ -865,6 +966,10 @@ def run(args, shapes, meta, out, log, clocks) -> int:
     if args.profile:
         res = profile(shapes, args.profile, args.seed, log)
         (out / f"{args.name}_profile.json").write_text(json.dumps(dict(meta=meta, results=res), indent=1))
+        return 0
+    if args.timeline:
+        res = timeline(shapes, args.timeline, args.seed, log)
+        (out / f"{args.name}_timeline.json").write_text(json.dumps(dict(meta=meta, results=res)))
         return 0
     if args.sweep:
         points = args.sweep_points or SWEEP_POINTS

@@ -439,3 +439,42 @@ def test_ep_bench_serving_limit_table():
     assert "## On a workspace for 8192 tokens per rank" in md
     assert "| A | 1 | uniform | 0.500 | 2.000 | 0.550 | 4.00 | 1.10 |" in md
     assert "| A | 8192 | uniform | 4.000 |" not in md.split("## On a workspace")[1]
+
+
+def test_decode_timeline_summary_finds_the_steady_rate_the_tail_and_the_waits():
+    import torch
+
+    from mok_serve.kernels.triton_moe import TIMELINE_WORDS
+    from mok_serve.loadtest.layer_bench import timeline_summary
+
+    us = 1000  # records are in ns
+    t0 = 5_000_000
+    rows = [  # drawn, ready, done, SM, used; two GEMM1 items, then GEMM2 items
+        (0, 0, 10 * us, 3, 1), (0, 0, 10 * us, 4, 1),
+        (0, 10 * us, 20 * us, 3, 1), (5 * us, 10 * us, 20 * us, 5, 1), (10 * us, 10 * us, 30 * us, 6, 1),
+        (0, 0, 0, 0, 0),  # an item without rows: not counted
+    ]
+    records = torch.tensor([(a + t0, b + t0, c + t0, sm, used) if used else (0, 0, 0, 0, 0)
+                            for a, b, c, sm, used in rows], dtype=torch.int64)
+    assert records.shape[1] == TIMELINE_WORDS
+    nbytes = torch.tensor([20e6, 20e6, 20e6, 20e6, 4e6, 1e9], dtype=torch.float64)
+    got = timeline_summary(records, nbytes, gemm1_items=2)
+    assert got["items"] == 5 and got["sms"] == 4 and got["span_us"] == 30.0 and got["last_draw_us"] == 10.0
+    # 40 MB in each 10 us half of the first 20 us: 4 TB/s; the last item alone reads 0.2 TB/s.
+    assert abs(got["steady_tb_s"] - 4.0) < 0.25
+    assert got["ramp_us"] <= 0.5 and abs(got["tail_us"] - 10.0) <= 1.0
+    assert abs(got["lost_us"] - (30.0 - 84e6 / (got["steady_tb_s"] * 1e12) * 1e6)) < 1e-9
+    assert got["gemm2_wait_mean_us"] == 5.0 and got["gemm2_wait_max_us"] == 10.0  # waits 10, 5 and 0 us
+    assert abs(got["gemm2_wait_share"] - 15.0 / (10 + 10 + 20 + 15 + 20)) < 1e-12
+
+
+def test_decode_item_bytes_follow_the_grid_order():
+    from mok_serve.loadtest.layer_bench import decode_item_bytes
+
+    g1 = dict(BLOCK_M=16, BLOCK_N=32)
+    g2 = dict(BLOCK_M=16, BLOCK_N=64)
+    # 3 rows over 4 experts: 3 row tiles; inter 80 = 32 + 32 + 16 columns, hidden 100 = 64 + 36.
+    got = decode_item_bytes((g1, g2), hidden=100, inter=80, rows=3, num_local=4).tolist()
+    g1_items = [2 * c * 100 * 2 for c in (32, 32, 16)] * 3
+    g2_items = [c * 80 * 2 for c in (64, 36)] * 3
+    assert got == g1_items + g2_items

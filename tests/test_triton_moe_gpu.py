@@ -207,6 +207,34 @@ def test_decode_one_launch_gives_the_two_launches_bits():
     check_decode_wait_gives_up(triton_moe, x[:3], w13, w2, routing(3, E, 8, gen=g)[1])
 
 
+def test_decode_timeline_records_every_item_and_changes_no_bits():
+    """``_timeline`` (the profile's per-item records): one record per work item that has rows,
+    drawn <= ready <= done on the GPU clock, GEMM1 items never waiting, and the same output bits."""
+    g = torch.Generator(device=DEV).manual_seed(fresh_seed())
+    w13, w2 = weights_for("Qwen3-30B-A3B")
+    E, two_i, H = w13.shape
+    for tokens in (1, 8):
+        x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16, generator=g)
+        tw, ids = routing(tokens, E, 8, gen=g)
+        configs = pick_configs(tokens, 8, E, H, two_i // 2, one_launch=True)
+        buf = torch.zeros(triton_moe.decode_items(tokens * 8, E, H, two_i // 2, configs), triton_moe.TIMELINE_WORDS,
+                          dtype=torch.int64, device=DEV)
+        out = fused_moe_triton(x, w13, w2, tw, ids, _configs=configs, _timeline=buf)
+        assert torch.equal(out, fused_moe_triton(x, w13, w2, tw, ids, _configs=configs))
+        rec = buf.cpu()
+        used = rec[:, 4] == 1
+        n1 = triton_moe._max_row_tiles(tokens * 8, E, 16) * -(-(two_i // 2) // configs[0]["BLOCK_N"])
+        in_use_tiles = int(torch.unique(ids).numel())  # one 16-row tile per expert with rows at <= 8 rows
+        assert int(used[:n1].sum()) == in_use_tiles * -(-(two_i // 2) // configs[0]["BLOCK_N"])
+        assert int(used[n1:].sum()) == in_use_tiles * -(-H // configs[1]["BLOCK_N"])
+        r = rec[used]
+        assert bool((r[:, 0] <= r[:, 1]).all() and (r[:, 1] <= r[:, 2]).all() and (r[:, 0] > 0).all())
+        assert bool((rec[:n1][used[:n1], 0] == rec[:n1][used[:n1], 1]).all())
+        assert int(r[:, 2].max() - r[:, 0].min()) < 10**7  # within 10 ms
+    with pytest.raises(ValueError, match="one-launch decode kernel"):
+        fused_moe_triton(x, w13, w2, tw, ids, _configs=pick_configs(8, 8, E, H, two_i // 2), _timeline=buf)
+
+
 def test_nan_stays_in_its_token():
     check_nan_stays_in_its_token(fused_moe, weights_for("Qwen3-235B-A22B"))
 

@@ -184,3 +184,14 @@ def test_decode_one_launch_gives_the_two_launches_bits(dtype):
 def test_decode_wait_gives_up_with_nan_rows_and_the_error_word():
     x, w13, w2, _, ids = make_inputs(3, 32, 16, 4, 2, torch.float32, seed=4)
     check_decode_wait_gives_up(tm, x, w13, w2, ids)
+
+
+def test_decode_timeline_needs_compiled_code_and_the_grid_shape():
+    x, w13, w2, weights, ids = make_inputs(3, 32, 16, 4, 2, torch.float32, seed=6)
+    configs = tm.pick_configs(3, 2, 4, 32, 16, one_launch=True)
+    items = tm.decode_items(6, 4, 32, 16, configs)
+    buf = torch.zeros(items, tm.TIMELINE_WORDS, dtype=torch.int64)
+    with pytest.raises(ValueError, match="compiled CUDA code only"):
+        tm.fused_moe_triton(x, w13, w2, weights, ids, _configs=configs, _timeline=buf)
+    with pytest.raises(ValueError, match="one-launch decode kernel"):
+        tm.fused_moe_triton(x, w13, w2, weights, ids, _configs=tm.pick_configs(3, 2, 4, 32, 16), _timeline=buf)
