@@ -925,11 +925,12 @@ def decode_sync_words(rows: int, num_local: int, block_m: int) -> int:
     return SYNC_TILES + _max_row_tiles(rows, num_local, block_m)
 
 
-def decode_items(rows: int, num_local: int, hidden: int, inter: int, configs: tuple[dict, dict]) -> int:
-    """Work items (and programs) of a one-launch decode call: every row tile's GEMM1 column tiles,
-    then its GEMM2 ones."""
+def decode_items(rows: int, num_local: int, hidden: int, inter: int, configs: tuple[dict, dict]) -> tuple[int, int]:
+    """Work items of a one-launch decode call, (GEMM1's, GEMM2's): every row tile's GEMM1 column
+    tiles come first in ticket order, then its GEMM2 ones; the grid has one program per item."""
     g1, g2 = configs
-    return _max_row_tiles(rows, num_local, g1["BLOCK_M"]) * (triton.cdiv(inter, g1["BLOCK_N"]) + triton.cdiv(hidden, g2["BLOCK_N"]))
+    num_m = _max_row_tiles(rows, num_local, g1["BLOCK_M"])
+    return num_m * triton.cdiv(inter, g1["BLOCK_N"]), num_m * triton.cdiv(hidden, g2["BLOCK_N"])
 
 
 def launch_decode_experts(
@@ -952,7 +953,7 @@ def launch_decode_experts(
     """``_moe_decode_experts_kernel``: ``launch_gemm1`` then ``launch_gemm2`` in one launch, with
     ``sync`` (``decode_sync_words`` int32 words) zeroed by ``_moe_schedule_zero_kernel`` in this
     call's schedule launch. ``configs``: ``pick_configs``' pair, ``one_launch_decode`` true.
-    ``timeline`` (compiled code only): zeroed int64 ``[decode_items(...), TIMELINE_WORDS]`` that
+    ``timeline`` (compiled code only): zeroed int64 ``[sum(decode_items(...)), TIMELINE_WORDS]`` that
     the call fills with one record per work item (``_timeline_record``)."""
     num_local, two_i, hidden = w13.shape
     inter = two_i // 2
@@ -965,7 +966,7 @@ def launch_decode_experts(
     bm, bn1, bk1, bn2, bk2 = g1["BLOCK_M"], g1["BLOCK_N"], g1["BLOCK_K"], g2["BLOCK_N"], g2["BLOCK_K"]
     num_m = _max_row_tiles(rows, num_local, bm)
     assert sync.numel() == SYNC_TILES + num_m and sync.dtype == torch.int32
-    items = decode_items(rows, num_local, hidden, inter, (g1, g2))
+    items = sum(decode_items(rows, num_local, hidden, inter, (g1, g2)))
     if timeline is not None:
         if interpret or not timeline.is_cuda:
             raise ValueError("the decode timeline reads the GPU clock: compiled CUDA code only")

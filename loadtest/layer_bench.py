@@ -673,10 +673,9 @@ def timeline(shapes, points, seed, log, calls=5):
         w13, w2 = random_experts(E, H, I, gen)
         x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, generator=gen)
         tw, ids = make_routing(tokens, E, K, routing, gen)
-        buf = torch.zeros(tm.decode_items(tokens * K, E, H, I, configs), tm.TIMELINE_WORDS, dtype=torch.int64,
-                          device="cuda")
+        gemm1_items, gemm2_items = tm.decode_items(tokens * K, E, H, I, configs)
+        buf = torch.zeros(gemm1_items + gemm2_items, tm.TIMELINE_WORDS, dtype=torch.int64, device="cuda")
         item_bytes = decode_item_bytes(configs, H, I, tokens * K, E)
-        gemm1_items = tm._max_row_tiles(tokens * K, E, configs[0]["BLOCK_M"]) * -(-I // configs[0]["BLOCK_N"])
         flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
         expect = fused_moe_triton(x, w13, w2, tw, ids, _configs=configs)
         summaries = []

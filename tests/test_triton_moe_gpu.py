@@ -217,13 +217,12 @@ def test_decode_timeline_records_every_item_and_changes_no_bits():
         x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16, generator=g)
         tw, ids = routing(tokens, E, 8, gen=g)
         configs = pick_configs(tokens, 8, E, H, two_i // 2, one_launch=True)
-        buf = torch.zeros(triton_moe.decode_items(tokens * 8, E, H, two_i // 2, configs), triton_moe.TIMELINE_WORDS,
-                          dtype=torch.int64, device=DEV)
+        n1, n2 = triton_moe.decode_items(tokens * 8, E, H, two_i // 2, configs)
+        buf = torch.zeros(n1 + n2, triton_moe.TIMELINE_WORDS, dtype=torch.int64, device=DEV)
         out = fused_moe_triton(x, w13, w2, tw, ids, _configs=configs, _timeline=buf)
         assert torch.equal(out, fused_moe_triton(x, w13, w2, tw, ids, _configs=configs))
         rec = buf.cpu()
         used = rec[:, 4] == 1
-        n1 = triton_moe._max_row_tiles(tokens * 8, E, 16) * -(-(two_i // 2) // configs[0]["BLOCK_N"])
         in_use_tiles = int(torch.unique(ids).numel())  # one 16-row tile per expert with rows at <= 8 rows
         assert int(used[:n1].sum()) == in_use_tiles * -(-(two_i // 2) // configs[0]["BLOCK_N"])
         assert int(used[n1:].sum()) == in_use_tiles * -(-H // configs[1]["BLOCK_N"])

@@ -189,7 +189,7 @@ def test_decode_wait_gives_up_with_nan_rows_and_the_error_word():
 def test_decode_timeline_needs_compiled_code_and_the_grid_shape():
     x, w13, w2, weights, ids = make_inputs(3, 32, 16, 4, 2, torch.float32, seed=6)
     configs = tm.pick_configs(3, 2, 4, 32, 16, one_launch=True)
-    items = tm.decode_items(6, 4, 32, 16, configs)
+    items = sum(tm.decode_items(6, 4, 32, 16, configs))
     buf = torch.zeros(items, tm.TIMELINE_WORDS, dtype=torch.int64)
     with pytest.raises(ValueError, match="compiled CUDA code only"):
         tm.fused_moe_triton(x, w13, w2, weights, ids, _configs=configs, _timeline=buf)
