@@ -508,14 +508,14 @@ def _moe_schedule_zero_kernel(
 
 @triton.jit
 def _moe_decode_experts_kernel(
-    x_ptr, w13_ptr, w13_desc, w2_ptr, w2_desc, act_ptr, y_ptr, sorted_rows_ptr, counts_ptr, sync_ptr, timeline_ptr,
-    num_local, H, I, num_m, max_polls,
+    x_ptr, w13_ptr, w13_desc, w2_ptr, w2_desc, w2_narrow_desc, act_ptr, y_ptr, sorted_rows_ptr, counts_ptr, sync_ptr,
+    timeline_ptr, num_local, H, I, num_m, narrow_m, max_polls,
     stride_xt, stride_xh, stride_w13e, stride_w13n, stride_w13k, stride_w2e, stride_w2n, stride_w2k,
     TOPK: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr, STAGES1: tl.constexpr, EVEN_K1: tl.constexpr,
     EVEN_N1: tl.constexpr, USE_TMA1: tl.constexpr,
     BLOCK_N2: tl.constexpr, BLOCK_K2: tl.constexpr, STAGES2: tl.constexpr, EVEN_K2: tl.constexpr,
-    EVEN_N2: tl.constexpr, USE_TMA2: tl.constexpr,
+    EVEN_N2: tl.constexpr, USE_TMA2: tl.constexpr, NARROW_N2: tl.constexpr,
     DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr, SWAP_AB: tl.constexpr, PDL: tl.constexpr,
     TIMELINE: tl.constexpr,
 ):
@@ -529,8 +529,10 @@ def _moe_decode_experts_kernel(
     a CTA barrier, so every thread's ``act`` stores are ordered before it); a GEMM2 tile waits
     (acquire, bounded by ``max_polls``) until all GEMM1 column tiles of its row tile are done.
     A wait that runs out, which only a bug could cause, sets the error word and writes NaN into
-    the tile's rows instead of hanging or computing on unwritten data. Each tile's arithmetic is
-    that of the two-launch kernels, so the bits are the same. ``TIMELINE`` records each item's
+    the tile's rows instead of hanging or computing on unwritten data. With ``NARROW_N2`` (0: off)
+    the last ``narrow_m`` row tiles in use take GEMM2 items ``NARROW_N2`` columns wide
+    (``w2_narrow_desc``'s boxes). Each tile's arithmetic is that of the two-launch kernels, so the
+    bits are the same. ``TIMELINE`` records each item's
     times (``_timeline_record``) for the profile, without changing what is computed."""
     _grid_dependency(PDL)
     item = tl.atomic_add(sync_ptr + _SYNC_TICKET, 1, sem="relaxed")
@@ -550,46 +552,94 @@ def _moe_decode_experts_kernel(
             tl.debug_barrier()
             tl.atomic_add(sync_ptr + _SYNC_TILES + item // num_n1, 1, sem="release", scope="gpu")
             if TIMELINE:
-                _timeline_record(timeline_ptr, item, t_start, t_start)
-    elif item < gemm1_items + num_m * tl.cdiv(H, BLOCK_N2):  # (a ticket past the last item does nothing)
+                _timeline_record(timeline_ptr, item, t_start, t_start, tl.minimum(BLOCK_N1, I - pid_n * BLOCK_N1))
+    elif item < gemm1_items + (num_m + narrow_m) * tl.cdiv(H, BLOCK_N2):  # (a ticket past the last item does nothing)
         item2 = item - gemm1_items
-        in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
-            item2, counts_ptr, num_local, num_m, H, BLOCK_N2, E_PAD, BLOCK_M, 1
-        )
-        if in_use:
-            # Scalar atomics: Triton broadcasts their result, so every thread agrees on the loop.
-            done_ptr = sync_ptr + _SYNC_TILES + item2 // tl.cdiv(H, BLOCK_N2)
-            done = tl.atomic_add(done_ptr, 0, sem="acquire", scope="gpu")
-            polls = 0
-            while (done < num_n1) & (polls < max_polls):
-                done = tl.atomic_add(done_ptr, 0, sem="acquire", scope="gpu")
-                polls += 1
-            tl.debug_barrier()
-            t_ready = _now(TIMELINE)
-            if done < num_n1:
-                tl.atomic_xchg(sync_ptr + _SYNC_ERROR, 1, sem="relaxed")
-                offs_m, row_ok, rows = _tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
-                offs_n = pid_n * BLOCK_N2 + tl.arange(0, BLOCK_N2)
-                nan = tl.full([BLOCK_M, BLOCK_N2], float("nan"), dtype=tl.float32)
-                _scatter_rows(nan, rows, row_ok, offs_n, offs_n < H, y_ptr, H, DOT_F32)
-            else:
-                _gemm2_rows(
-                    act_ptr, w2_ptr, w2_desc, y_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
+        if NARROW_N2 == 0:
+            in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
+                item2, counts_ptr, num_local, num_m, H, BLOCK_N2, E_PAD, BLOCK_M, 1
+            )
+            pid_m = item2 // tl.cdiv(H, BLOCK_N2)
+            _decode_gemm2_item(
+                act_ptr, w2_ptr, w2_desc, y_ptr, sorted_rows_ptr, sync_ptr, timeline_ptr, item, t_start,
+                in_use, pid_m, pid_n, e, m0, count_e, start_e, num_n1, H, I, max_polls,
+                stride_w2e, stride_w2n, stride_w2k,
+                BLOCK_M, BLOCK_N2, BLOCK_K2, STAGES2, EVEN_K2, EVEN_N2, USE_TMA2, DOT_IEEE, DOT_F32, SWAP_AB, TIMELINE,
+            )
+        else:
+            # The last ``narrow_m`` row tiles in use run GEMM2 in NARROW_N2-wide column tiles, so
+            # the items drawn last are short and the grid's tail drains sooner.
+            total = _tile_of(0, counts_ptr, num_local, E_PAD, BLOCK_M)[0]
+            wide_m = tl.maximum(total - narrow_m, 0)
+            wide_items = wide_m * tl.cdiv(H, BLOCK_N2)
+            if item2 < wide_items:
+                pid_m = item2 // tl.cdiv(H, BLOCK_N2)
+                _, e, m0, count_e, start_e = _tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M)
+                _decode_gemm2_item(
+                    act_ptr, w2_ptr, w2_desc, y_ptr, sorted_rows_ptr, sync_ptr, timeline_ptr, item, t_start,
+                    True, pid_m, item2 % tl.cdiv(H, BLOCK_N2), e, m0, count_e, start_e, num_n1, H, I, max_polls,
                     stride_w2e, stride_w2n, stride_w2k,
-                    BLOCK_M, BLOCK_N2, BLOCK_K2, EVEN_K2, EVEN_N2, DOT_IEEE, DOT_F32, USE_TMA2, SWAP_AB, STAGES2,
+                    BLOCK_M, BLOCK_N2, BLOCK_K2, STAGES2, EVEN_K2, EVEN_N2, USE_TMA2, DOT_IEEE, DOT_F32, SWAP_AB,
+                    TIMELINE,
                 )
-            if TIMELINE:
-                _timeline_record(timeline_ptr, item, t_start, t_ready)
+            else:
+                narrow = item2 - wide_items
+                pid_m = wide_m + narrow // tl.cdiv(H, NARROW_N2)
+                _, e, m0, count_e, start_e = _tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M)
+                _decode_gemm2_item(
+                    act_ptr, w2_ptr, w2_narrow_desc, y_ptr, sorted_rows_ptr, sync_ptr, timeline_ptr, item, t_start,
+                    pid_m < total, pid_m, narrow % tl.cdiv(H, NARROW_N2), e, m0, count_e, start_e, num_n1, H, I,
+                    max_polls, stride_w2e, stride_w2n, stride_w2k,
+                    BLOCK_M, NARROW_N2, BLOCK_K2, STAGES2, EVEN_K2, H % NARROW_N2 == 0, USE_TMA2, DOT_IEEE, DOT_F32,
+                    SWAP_AB, TIMELINE,
+                )
+
+
+@triton.jit
+def _decode_gemm2_item(
+    act_ptr, w2_ptr, w2_desc, y_ptr, sorted_rows_ptr, sync_ptr, timeline_ptr, item, t_start,
+    in_use, pid_m, pid_n, e, m0, count_e, start_e, num_n1, H, I, max_polls,
+    stride_w2e, stride_w2n, stride_w2k,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, DOT_IEEE: tl.constexpr,
+    DOT_F32: tl.constexpr, SWAP_AB: tl.constexpr, TIMELINE: tl.constexpr,
+):
+    """A GEMM2 work item of ``_moe_decode_experts_kernel``: wait (bounded) until every GEMM1
+    column tile of row tile ``pid_m`` is done, then the tile (or NaN rows if the wait ran out)."""
+    if in_use:
+        # Scalar atomics: Triton broadcasts their result, so every thread agrees on the loop.
+        done_ptr = sync_ptr + _SYNC_TILES + pid_m
+        done = tl.atomic_add(done_ptr, 0, sem="acquire", scope="gpu")
+        polls = 0
+        while (done < num_n1) & (polls < max_polls):
+            done = tl.atomic_add(done_ptr, 0, sem="acquire", scope="gpu")
+            polls += 1
+        tl.debug_barrier()
+        t_ready = _now(TIMELINE)
+        if done < num_n1:
+            tl.atomic_xchg(sync_ptr + _SYNC_ERROR, 1, sem="relaxed")
+            offs_m, row_ok, rows = _tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            nan = tl.full([BLOCK_M, BLOCK_N], float("nan"), dtype=tl.float32)
+            _scatter_rows(nan, rows, row_ok, offs_n, offs_n < H, y_ptr, H, DOT_F32)
+        else:
+            _gemm2_rows(
+                act_ptr, w2_ptr, w2_desc, y_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
+                stride_w2e, stride_w2n, stride_w2k,
+                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB, STAGES,
+            )
+        if TIMELINE:
+            _timeline_record(timeline_ptr, item, t_start, t_ready, tl.minimum(BLOCK_N, H - pid_n * BLOCK_N))
 
 
 # A decode timeline record (int64 words per work item): drawn, ready (a GEMM2 item's wait over),
-# done, the SM it ran on, and 1 (items without rows leave their record at 0).
+# done, the SM it ran on, and the item's weight columns (items without rows leave their record at 0).
 TIMELINE_WORDS = 5
 _TIMELINE_WORDS = tl.constexpr(TIMELINE_WORDS)
 
 
 @triton.jit
-def _timeline_record(timeline_ptr, item, t_start, t_ready):
+def _timeline_record(timeline_ptr, item, t_start, t_ready, columns):
     tl.debug_barrier()  # every thread's part of the item is done
     t_end = _now(True)
     sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
@@ -598,7 +648,7 @@ def _timeline_record(timeline_ptr, item, t_start, t_ready):
     tl.store(rec + 1, t_ready)
     tl.store(rec + 2, t_end)
     tl.store(rec + 3, sm.to(tl.int64))
-    tl.store(rec + 4, tl.full((), 1, tl.int64))
+    tl.store(rec + 4, columns.to(tl.int64))
 
 
 @triton.jit
@@ -930,7 +980,8 @@ def decode_items(rows: int, num_local: int, hidden: int, inter: int, configs: tu
     tiles come first in ticket order, then its GEMM2 ones; the grid has one program per item."""
     g1, g2 = configs
     num_m = _max_row_tiles(rows, num_local, g1["BLOCK_M"])
-    return num_m * triton.cdiv(inter, g1["BLOCK_N"]), num_m * triton.cdiv(hidden, g2["BLOCK_N"])
+    # Narrow tail: the last NARROW_TAIL row tiles in use take twice as many GEMM2 items.
+    return num_m * triton.cdiv(inter, g1["BLOCK_N"]), (num_m + g2.get("NARROW_TAIL", 0)) * triton.cdiv(hidden, g2["BLOCK_N"])
 
 
 def launch_decode_experts(
@@ -959,11 +1010,17 @@ def launch_decode_experts(
     inter = two_i // 2
     g1 = _gemm_config(configs[0], act, interpret)
     g2 = _gemm_config(configs[1], act, interpret)
-    if not (g1.get("SWAP_AB") and g2.get("SWAP_AB") and g1["BLOCK_M"] == g2["BLOCK_M"] and g1["num_warps"] == g2["num_warps"]):
-        raise ValueError(f"one-launch decode configs need swapped tiles of one height and warp count: {configs}")
+    if not (g1.get("SWAP_AB", False) == g2.get("SWAP_AB", False) and g1["BLOCK_M"] == g2["BLOCK_M"]
+            and g1["num_warps"] == g2["num_warps"]):
+        raise ValueError(f"one-launch decode configs need tiles of one height, operand order and warp count: {configs}")
     w13_desc = _w13_operand(w13, g1)
     w2_desc = _w2_operand(w2, g2, g2["BLOCK_K"])
     bm, bn1, bk1, bn2, bk2 = g1["BLOCK_M"], g1["BLOCK_N"], g1["BLOCK_K"], g2["BLOCK_N"], g2["BLOCK_K"]
+    narrow_m = g2.get("NARROW_TAIL", 0)
+    narrow_n2 = bn2 // 2 if narrow_m else 0
+    if narrow_m and g2.get("SWAP_AB", False) and narrow_n2 < 64:
+        raise ValueError(f"a narrow GEMM2 tail needs BLOCK_N >= 128 (its half is wgmma's M side): {configs}")
+    w2_narrow_desc = _w2_operand(w2, dict(g2, BLOCK_N=narrow_n2), bk2) if narrow_m else w2_desc
     num_m = _max_row_tiles(rows, num_local, bm)
     assert sync.numel() == SYNC_TILES + num_m and sync.dtype == torch.int32
     items = sum(decode_items(rows, num_local, hidden, inter, (g1, g2)))
@@ -973,16 +1030,16 @@ def launch_decode_experts(
         if timeline.shape != (items, TIMELINE_WORDS) or timeline.dtype != torch.int64:
             raise ValueError(f"timeline must be int64 [{items}, {TIMELINE_WORDS}], got {timeline.dtype} {list(timeline.shape)}")
     _moe_decode_experts_kernel[(items,)](
-        x, w13, w13_desc, w2, w2_desc, act, y, sorted_rows, counts, sync,
+        x, w13, w13_desc, w2, w2_desc, w2_narrow_desc, act, y, sorted_rows, counts, sync,
         sync if timeline is None else timeline,  # (dummy pointer without a timeline)
-        num_local, hidden, inter, num_m, max_polls,
+        num_local, hidden, inter, num_m, narrow_m, max_polls,
         x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), w2.stride(0), w2.stride(1), w2.stride(2),
         TOPK=top_k, E_PAD=_e_pad(num_local), BLOCK_M=bm,
         BLOCK_N1=bn1, BLOCK_K1=bk1, STAGES1=g1["num_stages"], EVEN_K1=hidden % bk1 == 0, EVEN_N1=inter % bn1 == 0,
         USE_TMA1=g1["USE_TMA"],
         BLOCK_N2=bn2, BLOCK_K2=bk2, STAGES2=g2["num_stages"], EVEN_K2=inter % bk2 == 0, EVEN_N2=hidden % bn2 == 0,
-        USE_TMA2=g2["USE_TMA"],
-        DOT_IEEE=act.dtype == torch.float32 or interpret, DOT_F32=interpret, SWAP_AB=g1["SWAP_AB"],
+        USE_TMA2=g2["USE_TMA"], NARROW_N2=narrow_n2,
+        DOT_IEEE=act.dtype == torch.float32 or interpret, DOT_F32=interpret, SWAP_AB=g1.get("SWAP_AB", False),
         TIMELINE=timeline is not None, num_warps=g1["num_warps"], num_stages=g1["num_stages"], **pdl_launch(act),
     )
 

@@ -437,6 +437,9 @@ def sweep_variants(tokens, top_k, E, H, I):
             ("g2 n/2", d1, v(d2, BLOCK_N=max(64, bn2 // 2))),
             ("g2 n*2", d1, v(d2, BLOCK_N=min(256, bn2 * 2))),
         ]
+        if bn2 >= 128:
+            # The last R row tiles in use run GEMM2 at half width, so the last items drawn are short.
+            out += [(f"g2 narrow tail {r}", d1, v(d2, NARROW_TAIL=r)) for r in (1, 2, 4)]
     else:
         bn1, bn2 = d1["BLOCK_N"], d2["BLOCK_N"]
         out += [
@@ -451,6 +454,15 @@ def sweep_variants(tokens, top_k, E, H, I):
             # per expert in the sweep at 5767485).
             ("swapped", v(d1, BLOCK_M=16, SWAP_AB=True, BLOCK_K=128, num_stages=6, BLOCK_N=max(32, bn1)),
              v(d2, BLOCK_M=16, SWAP_AB=True, BLOCK_K=128, num_stages=3, BLOCK_N=max(64, bn2))),
+            # Both GEMMs in one launch (the decode kernel): as the default, or with swapped tiles
+            # of 64, 32 or 16 token rows, each within half an SM's shared memory.
+            ("one launch", v(d1, ONE_LAUNCH=True), d2),
+            ("one launch m64 swap", v(d1, SWAP_AB=True, ONE_LAUNCH=True), v(d2, SWAP_AB=True)),
+            ("one launch m32 swap", v(d1, BLOCK_M=32, SWAP_AB=True, BLOCK_K=128, num_stages=4, BLOCK_N=32, ONE_LAUNCH=True),
+             v(d2, BLOCK_M=32, SWAP_AB=True, BLOCK_K=128, num_stages=3, BLOCK_N=64)),
+            ("one launch m16 swap", v(d1, BLOCK_M=16, SWAP_AB=True, BLOCK_K=128, num_stages=4, BLOCK_N=max(32, bn1),
+                                      ONE_LAUNCH=True),
+             v(d2, BLOCK_M=16, SWAP_AB=True, BLOCK_K=128, num_stages=3, BLOCK_N=min(128, max(64, bn2)))),
         ]
     return out
 
@@ -604,18 +616,14 @@ def profile(shapes, points, seed, log, calls=10):
     return results
 
 
-def decode_item_bytes(configs, hidden, inter, rows, num_local, elem_bytes=2) -> torch.Tensor:
-    """Weight bytes each work item of the one-launch decode kernel reads (its grid order: GEMM1
-    column tiles of each row tile, then GEMM2's), for ``timeline_summary``."""
-    from mok_serve.kernels.triton_moe import _max_row_tiles
-
-    g1, g2 = configs
-    num_m = _max_row_tiles(rows, num_local, g1["BLOCK_M"])
-    cols1 = [min(g1["BLOCK_N"], inter - n0) for n0 in range(0, inter, g1["BLOCK_N"])]
-    cols2 = [min(g2["BLOCK_N"], hidden - n0) for n0 in range(0, hidden, g2["BLOCK_N"])]
-    per1 = [2 * c * hidden * elem_bytes for c in cols1]  # gate and up rows
-    per2 = [c * inter * elem_bytes for c in cols2]
-    return torch.tensor(per1 * num_m + per2 * num_m, dtype=torch.float64)
+def decode_item_bytes(records: torch.Tensor, gemm1_items: int, hidden: int, inter: int, elem_bytes=2) -> torch.Tensor:
+    """Weight bytes each work item of a recorded one-launch decode call read, from its record's
+    columns (GEMM1 items, the first ``gemm1_items``: gate and up rows of ``hidden``; GEMM2's:
+    rows of ``inter``), for ``timeline_summary``."""
+    cols = records[:, 4].to(torch.float64)
+    depth = torch.full_like(cols, float(inter))
+    depth[:gemm1_items] = 2.0 * hidden
+    return cols * depth * elem_bytes
 
 
 def timeline_summary(records: torch.Tensor, item_bytes: torch.Tensor, gemm1_items: int, bin_us: float = 0.5) -> dict:
@@ -625,7 +633,7 @@ def timeline_summary(records: torch.Tensor, item_bytes: torch.Tensor, gemm1_item
     first reaches 90% of steady; ``tail_us``: after it last does; ``lost_us``: the call's span
     beyond its bytes at the steady rate."""
     rec = records.to(torch.float64)
-    used = records[:, 4] == 1
+    used = records[:, 4] > 0
     idx = torch.nonzero(used).flatten()
     t0 = rec[used, 0].min()
     start, ready, done = ((rec[idx, j] - t0) / 1e3 for j in range(3))  # us
@@ -675,7 +683,6 @@ def timeline(shapes, points, seed, log, calls=5):
         tw, ids = make_routing(tokens, E, K, routing, gen)
         gemm1_items, gemm2_items = tm.decode_items(tokens * K, E, H, I, configs)
         buf = torch.zeros(gemm1_items + gemm2_items, tm.TIMELINE_WORDS, dtype=torch.int64, device="cuda")
-        item_bytes = decode_item_bytes(configs, H, I, tokens * K, E)
         flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
         expect = fused_moe_triton(x, w13, w2, tw, ids, _configs=configs)
         summaries = []
@@ -684,7 +691,8 @@ def timeline(shapes, points, seed, log, calls=5):
             buf.zero_()
             out = fused_moe_triton(x, w13, w2, tw, ids, _configs=configs, _timeline=buf)
             torch.cuda.synchronize()
-            summaries.append(timeline_summary(buf.cpu(), item_bytes, gemm1_items))
+            records = buf.cpu()
+            summaries.append(timeline_summary(records, decode_item_bytes(records, gemm1_items, H, I), gemm1_items))
         if not torch.equal(out, expect):
             raise AssertionError(f"{name} T={tokens}: the timeline changed the output")
         med = {k: statistics.median(sm[k] for sm in summaries[1:]) for k in summaries[0]}

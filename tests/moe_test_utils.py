@@ -183,15 +183,16 @@ def check_decode_one_launch_bits(tm, x, w13, w2, tw, ids, expert_map=None):
     return one
 
 
-def check_decode_wait_gives_up(tm, x, w13, w2, ids):
+def check_decode_wait_gives_up(tm, x, w13, w2, ids, configs=None):
     """A GEMM2 tile of the one-launch decode kernel whose GEMM1 tiles never run (their tickets
     taken beforehand) stops waiting after ``max_polls``: the error word is set and its rows of
-    ``y`` are NaN; nothing hangs. Needs at least one scheduled row."""
+    ``y`` are NaN; nothing hangs. Needs at least one scheduled row. ``configs``: the kernel's
+    (default: ``pick_configs``')."""
     tokens, hidden = x.shape
     num_local, two_i, _ = w13.shape
     inter, top_k = two_i // 2, ids.shape[1]
     rows = tokens * top_k
-    g1, g2 = tm.pick_configs(tokens, top_k, num_local, hidden, inter, one_launch=True)
+    g1, g2 = configs or tm.pick_configs(tokens, top_k, num_local, hidden, inter, one_launch=True)
     counts = torch.empty(num_local, dtype=torch.int32, device=x.device)
     sorted_rows = torch.empty(rows, dtype=torch.int32, device=x.device)
     sync = torch.full((tm.decode_sync_words(rows, num_local, g1["BLOCK_M"]),), 7, dtype=torch.int32, device=x.device)

@@ -449,7 +449,7 @@ def test_decode_timeline_summary_finds_the_steady_rate_the_tail_and_the_waits():
 
     us = 1000  # records are in ns
     t0 = 5_000_000
-    rows = [  # drawn, ready, done, SM, used; two GEMM1 items, then GEMM2 items
+    rows = [  # drawn, ready, done, SM, columns (0: unused); two GEMM1 items, then GEMM2 items
         (0, 0, 10 * us, 3, 1), (0, 0, 10 * us, 4, 1),
         (0, 10 * us, 20 * us, 3, 1), (5 * us, 10 * us, 20 * us, 5, 1), (10 * us, 10 * us, 30 * us, 6, 1),
         (0, 0, 0, 0, 0),  # an item without rows: not counted
@@ -468,13 +468,13 @@ def test_decode_timeline_summary_finds_the_steady_rate_the_tail_and_the_waits():
     assert abs(got["gemm2_wait_share"] - 15.0 / (10 + 10 + 20 + 15 + 20)) < 1e-12
 
 
-def test_decode_item_bytes_follow_the_grid_order():
+def test_decode_item_bytes_come_from_each_records_columns():
+    import torch
+
     from mok_serve.loadtest.layer_bench import decode_item_bytes
 
-    g1 = dict(BLOCK_M=16, BLOCK_N=32)
-    g2 = dict(BLOCK_M=16, BLOCK_N=64)
-    # 3 rows over 4 experts: 3 row tiles; inter 80 = 32 + 32 + 16 columns, hidden 100 = 64 + 36.
-    got = decode_item_bytes((g1, g2), hidden=100, inter=80, rows=3, num_local=4).tolist()
-    g1_items = [2 * c * 100 * 2 for c in (32, 32, 16)] * 3
-    g2_items = [c * 80 * 2 for c in (64, 36)] * 3
-    assert got == g1_items + g2_items
+    # Two GEMM1 items (32 and 16 columns), then GEMM2 items of 64, 36 and 0 columns (no rows).
+    records = torch.zeros(5, 5, dtype=torch.int64)
+    records[:, 4] = torch.tensor([32, 16, 64, 36, 0])
+    got = decode_item_bytes(records, gemm1_items=2, hidden=100, inter=80).tolist()
+    assert got == [2 * 32 * 100 * 2, 2 * 16 * 100 * 2, 64 * 80 * 2, 36 * 80 * 2, 0]

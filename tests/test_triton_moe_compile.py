@@ -76,17 +76,20 @@ for shape, H, I, E, K in (("ds", 7168, 2048, 256, 8), ("qwen30", 2048, 768, 128,
               dict(common(g2), E_PAD=E), g2["num_warps"], g2["num_stages"])
         g1, g2 = tm.pick_configs(tokens, K, E, H, I, one_launch=True)
         bn1, bk1, bn2, bk2 = g1["BLOCK_N"], g1["BLOCK_K"], g2["BLOCK_N"], g2["BLOCK_K"]
+        narrow_n2 = bn2 // 2 if g2.get("NARROW_TAIL") else 0
         for timeline in (False, True) if tm.one_launch_decode(g1, g2) else ():
             build(f"{shape}_decode_experts{'_timeline' if timeline else ''}_T{tokens}", tm._moe_decode_experts_kernel,
                   dict(x_ptr=ptr("bf16"), w13_ptr=ptr("bf16"), w13_desc=f"tensordesc<bf16[1, 2, {bn1}, {bk1}]>",
-                       w2_ptr=ptr("bf16"), w2_desc=f"tensordesc<bf16[{bn2}, {bk2}]>", act_ptr=ptr("bf16"),
+                       w2_ptr=ptr("bf16"), w2_desc=f"tensordesc<bf16[{bn2}, {bk2}]>",
+                       w2_narrow_desc=f"tensordesc<bf16[{narrow_n2 or bn2}, {bk2}]>", act_ptr=ptr("bf16"),
                        y_ptr=ptr("bf16"), sorted_rows_ptr=ptr("i32"), counts_ptr=ptr("i32"), sync_ptr=ptr("i32"),
                        timeline_ptr=ptr("i64")),
-                  dict(num_local=E, H=H, I=I, num_m=1000, max_polls=1000, stride_xt=H, stride_xh=1,
+                  dict(num_local=E, H=H, I=I, num_m=1000, narrow_m=g2.get("NARROW_TAIL", 0), max_polls=1000, stride_xt=H, stride_xh=1,
                        stride_w13e=2 * I * H, stride_w13n=H, stride_w13k=1, stride_w2e=H * I, stride_w2n=I, stride_w2k=1),
                   dict(TOPK=K, E_PAD=E, BLOCK_M=g1["BLOCK_M"], SWAP_AB=True, DOT_IEEE=False, DOT_F32=False, PDL=True,
                        TIMELINE=timeline, BLOCK_N1=bn1, BLOCK_K1=bk1, STAGES1=g1["num_stages"], EVEN_K1=True, EVEN_N1=True, USE_TMA1=True,
-                       BLOCK_N2=bn2, BLOCK_K2=bk2, STAGES2=g2["num_stages"], EVEN_K2=True, EVEN_N2=True, USE_TMA2=True),
+                       BLOCK_N2=bn2, BLOCK_K2=bk2, STAGES2=g2["num_stages"], EVEN_K2=True, EVEN_N2=True, USE_TMA2=True,
+                       NARROW_N2=narrow_n2),
                   g1["num_warps"], g1["num_stages"])
 print(json.dumps(results))
 """

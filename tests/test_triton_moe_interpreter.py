@@ -178,6 +178,23 @@ def test_decode_one_launch_gives_the_two_launches_bits(dtype):
     assert torch.equal(out[0], torch.zeros_like(out[0]))
 
 
+def test_decode_narrow_gemm2_tail_gives_the_same_bits():
+    # hidden 160: GEMM2 in two 128-column tiles (the second 32 wide) or, for the last row tiles
+    # in use, three 64-column ones (the last 32 wide). Expert 0 has 20 rows: two row tiles.
+    x, w13, w2, weights, ids = make_inputs(10, 160, 24, 6, 2, torch.float32, seed=23)
+    ids[:, 0] = 0
+    g1, g2 = tm.pick_configs(10, 2, 6, 160, 24, one_launch=True)
+    wide = (g1, dict(g2, BLOCK_N=128))
+    expect = tm.fused_moe_triton(x, w13, w2, weights, ids, _configs=wide)
+    assert rel_err(expect, fused_moe_reference(x, w13, w2, weights, ids)) <= TOL[torch.float32]
+    for narrow in (1, 2, 3, 50):  # 50: more than the row tiles in use, so all of them narrow
+        got = tm.fused_moe_triton(x, w13, w2, weights, ids, _configs=(g1, dict(wide[1], NARROW_TAIL=narrow)))
+        assert torch.equal(got, expect), narrow
+    assert tm.decode_items(20, 6, 160, 24, (g1, dict(wide[1], NARROW_TAIL=3)))[1] == (20 // 16 + 6 + 3) * 2
+    # A narrow item that waits in vain writes NaN rows of its own width.
+    check_decode_wait_gives_up(tm, x[:3], w13, w2, ids[:3], configs=(g1, dict(wide[1], NARROW_TAIL=1)))
+
+
 # The test takes every GEMM1 ticket beforehand, so the tickets past the last item run too: they
 # must do nothing (no modulo by a zero-sized tile count, which numpy warns about).
 @pytest.mark.filterwarnings("error::RuntimeWarning")
