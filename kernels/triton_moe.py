@@ -730,8 +730,13 @@ def pick_configs(tokens: int, top_k: int, num_local: int, hidden: int, inter: in
             bn2 = min(bn2, 128)
             stages1 = 6 if bn1 == 32 else 4
             tile["ONE_LAUNCH"] = True
-        return (dict(BLOCK_N=bn1, BLOCK_K=_kdim_block(hidden, 128), num_stages=stages1, **tile),
-                dict(BLOCK_N=bn2, BLOCK_K=_kdim_block(inter, 128), num_stages=3, **tile))
+        g2 = dict(BLOCK_N=bn2, BLOCK_K=_kdim_block(inter, 128), num_stages=3, **tile)
+        if one_launch and few and bn2 >= 128:
+            # The last two row tiles in use take half-width GEMM2 items, so the items drawn last
+            # are short (interleaved sweep at 3e74f2c, sweep_tail_3e74f2c.log: 1 token 0-4%
+            # faster on four shapes, e.g. Qwen3-235B-A22B skewed 0.068 vs 0.071 ms; 8 tokens tie).
+            g2["NARROW_TAIL"] = 2
+        return dict(BLOCK_N=bn1, BLOCK_K=_kdim_block(hidden, 128), num_stages=stages1, **tile), g2
     bk1, bk2 = _kdim_block(hidden), _kdim_block(inter)
     if avg <= 48:
         # Weight streaming: fill 132 SMs with narrow column tiles. 4 stages fit more programs per

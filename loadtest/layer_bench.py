@@ -439,7 +439,8 @@ def sweep_variants(tokens, top_k, E, H, I):
         ]
         if bn2 >= 128:
             # The last R row tiles in use run GEMM2 at half width, so the last items drawn are short.
-            out += [(f"g2 narrow tail {r}", d1, v(d2, NARROW_TAIL=r)) for r in (1, 2, 4)]
+            out += [(f"g2 narrow tail {r}", d1, v(d2, NARROW_TAIL=r)) for r in (0, 1, 2, 4)
+                    if r != d2.get("NARROW_TAIL", 0)]
     else:
         bn1, bn2 = d1["BLOCK_N"], d2["BLOCK_N"]
         out += [

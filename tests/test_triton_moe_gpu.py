@@ -213,7 +213,7 @@ def test_decode_timeline_records_every_item_and_changes_no_bits():
     g = torch.Generator(device=DEV).manual_seed(fresh_seed())
     w13, w2 = weights_for("Qwen3-30B-A3B")
     E, two_i, H = w13.shape
-    for tokens in (1, 8):
+    for tokens in (1, 2, 8):
         x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16, generator=g)
         tw, ids = routing(tokens, E, 8, gen=g)
         configs = pick_configs(tokens, 8, E, H, two_i // 2, one_launch=True)
@@ -222,10 +222,14 @@ def test_decode_timeline_records_every_item_and_changes_no_bits():
         out = fused_moe_triton(x, w13, w2, tw, ids, _configs=configs, _timeline=buf)
         assert torch.equal(out, fused_moe_triton(x, w13, w2, tw, ids, _configs=configs))
         rec = buf.cpu()
-        used = rec[:, 4] == 1
+        used = rec[:, 4] > 0  # an item's columns
         in_use_tiles = int(torch.unique(ids).numel())  # one 16-row tile per expert with rows at <= 8 rows
         assert int(used[:n1].sum()) == in_use_tiles * -(-(two_i // 2) // configs[0]["BLOCK_N"])
-        assert int(used[n1:].sum()) == in_use_tiles * -(-H // configs[1]["BLOCK_N"])
+        narrow = min(in_use_tiles, configs[1].get("NARROW_TAIL", 0))  # row tiles with half-width GEMM2 items
+        bn2 = configs[1]["BLOCK_N"]
+        assert int(used[n1:].sum()) == (in_use_tiles - narrow) * -(-H // bn2) + narrow * -(-H // (bn2 // 2))
+        # Every column of every tile in use, once.
+        assert int(rec[:n1, 4].sum()) == in_use_tiles * (two_i // 2) and int(rec[n1:, 4].sum()) == in_use_tiles * H
         r = rec[used]
         assert bool((r[:, 0] <= r[:, 1]).all() and (r[:, 1] <= r[:, 2]).all() and (r[:, 0] > 0).all())
         assert bool((rec[:n1][used[:n1], 0] == rec[:n1][used[:n1], 1]).all())
