@@ -731,10 +731,11 @@ def pick_configs(tokens: int, top_k: int, num_local: int, hidden: int, inter: in
             stages1 = 6 if bn1 == 32 else 4
             tile["ONE_LAUNCH"] = True
         g2 = dict(BLOCK_N=bn2, BLOCK_K=_kdim_block(inter, 128), num_stages=3, **tile)
-        if one_launch and few and bn2 >= 128:
-            # The last two row tiles in use take half-width GEMM2 items, so the items drawn last
-            # are short (interleaved sweep at 3e74f2c, sweep_tail_3e74f2c.log: 1 token 0-4%
-            # faster on four shapes, e.g. Qwen3-235B-A22B skewed 0.068 vs 0.071 ms; 8 tokens tie).
+        if one_launch and busy <= top_k and bn2 >= 128:
+            # One token's experts: the last two row tiles in use take half-width GEMM2 items, so
+            # the items drawn last are short (interleaved sweeps, 5 repeats: 1 token 0-4% faster
+            # on four shapes, e.g. Qwen3-235B-A22B skewed 0.068 vs 0.071 ms, sweep_tail_3e74f2c.log;
+            # 2 tokens within 1 us either way, 8 tokens tie, sweep_two_70c7c60.log).
             g2["NARROW_TAIL"] = 2
         return dict(BLOCK_N=bn1, BLOCK_K=_kdim_block(hidden, 128), num_stages=stages1, **tile), g2
     bk1, bk2 = _kdim_block(hidden), _kdim_block(inter)

@@ -651,22 +651,35 @@ def timeline_summary(records: torch.Tensor, item_bytes: torch.Tensor, gemm1_item
     hot = torch.nonzero(rate_tb_s >= 0.9 * steady).flatten()
     ramp = float(hot[0]) * bin_us if len(hot) else span
     tail = span - float(hot[-1] + 1) * bin_us if len(hot) else span
+    # The first wave: the items drawn in the call's first microsecond (one per program that started).
+    first = start < 1.0
+    first_end = float(done[first].max())
+    rest_bytes = float(nbytes[~first].sum())
     g2 = idx >= gemm1_items
     wait = (ready - start)[g2]
     busy = float((done - start).sum())
     return dict(span_us=span, bytes=float(nbytes.sum()), steady_tb_s=steady,
                 lost_us=span - float(nbytes.sum()) / (steady * 1e12) * 1e6, ramp_us=ramp, tail_us=max(0.0, tail),
-                last_draw_us=float(start.max()), items=len(idx), sms=int(records[used, 3].unique().numel()),
+                last_draw_us=float(start.max()), items=len(idx), first_wave_us=first_end,
+                first_wave_tb_s=float(nbytes[first].sum()) / (first_end * 1e-6) / 1e12,
+                rest_tb_s=rest_bytes / ((span - first_end) * 1e-6) / 1e12 if span > first_end else 0.0, sms=int(records[used, 3].unique().numel()),
                 gemm2_wait_mean_us=float(wait.mean()) if len(wait) else 0.0,
                 gemm2_wait_max_us=float(wait.max()) if len(wait) else 0.0,
                 gemm2_wait_share=float(wait.sum()) / busy if busy else 0.0)
 
 
-def timeline(shapes, points, seed, log, calls=5):
+# How a timeline call starts (``--timeline-start``): after an L2 flush, as the benchmark's timed
+# replays do; after the flush and one read per 2 MiB of every expert weight, so that the GPU's
+# address translations of the weights are warm; or right after the previous call (no flush).
+TIMELINE_STARTS = ("cold", "translations", "warm")
+
+
+def timeline(shapes, points, seed, log, calls=5, start="cold"):
     """The one-launch decode kernel's own timeline at each (shape, tokens, routing) point: every
     work item's draw, ready and done times from ``%globaltimer`` (``fused_moe_triton(...,
-    _timeline=...)``), summarized by ``timeline_summary`` per call (L2 flushed before each; the
-    median over ``calls`` calls). Returns one dict per point, with the last call's records."""
+    _timeline=...)``), summarized by ``timeline_summary`` per call (each call begun as ``start``
+    says, see ``TIMELINE_STARTS``; the median over ``calls`` calls). Returns one dict per point,
+    with the last call's records."""
     from mok_serve.kernels import triton_moe as tm
     from mok_serve.kernels.triton_moe import fused_moe_triton
 
@@ -687,8 +700,12 @@ def timeline(shapes, points, seed, log, calls=5):
         flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
         expect = fused_moe_triton(x, w13, w2, tw, ids, _configs=configs)
         summaries = []
+        pages = [w.view(-1)[:: (2 << 20) // w.element_size()] for w in (w13, w2)]
         for _ in range(calls + 1):  # the first call compiles the timeline kernel
-            flush.zero_()
+            if start != "warm":
+                flush.zero_()
+            if start == "translations":
+                touched = [p.clone() for p in pages]  # noqa: F841 (a gather: one 2-byte read per 2 MiB page)
             buf.zero_()
             out = fused_moe_triton(x, w13, w2, tw, ids, _configs=configs, _timeline=buf)
             torch.cuda.synchronize()
@@ -697,9 +714,10 @@ def timeline(shapes, points, seed, log, calls=5):
         if not torch.equal(out, expect):
             raise AssertionError(f"{name} T={tokens}: the timeline changed the output")
         med = {k: statistics.median(sm[k] for sm in summaries[1:]) for k in summaries[0]}
-        results.append(dict(shape=name, tokens=tokens, routing=routing, configs=configs, summary=med,
+        results.append(dict(shape=name, tokens=tokens, routing=routing, start=start, configs=configs, summary=med,
                             records=buf.cpu().tolist()))
-        log(f"TIMELINE {name:16s} T={tokens:5d} {routing:7s} span {med['span_us']:6.1f} us, {med['bytes'] / 1e6:.0f} MB at "
+        log(f"TIMELINE {name:16s} T={tokens:5d} {routing:7s} {start:12s} first wave {med['first_wave_us']:5.1f} us at "
+            f"{med['first_wave_tb_s']:.2f} TB/s, the rest at {med['rest_tb_s']:.2f}; span {med['span_us']:6.1f} us, {med['bytes'] / 1e6:.0f} MB at "
             f"steady {med['steady_tb_s']:.2f} TB/s: lost {med['lost_us']:5.1f} us (ramp {med['ramp_us']:4.1f}, tail "
             f"{med['tail_us']:4.1f}); last draw at {med['last_draw_us']:6.1f} us; {med['items']:.0f} items on "
             f"{med['sms']:.0f} SMs; GEMM2 wait mean {med['gemm2_wait_mean_us']:.1f} max {med['gemm2_wait_max_us']:.1f} "
@@ -906,6 +924,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeline", nargs="*", metavar="SHAPE:TOKENS[:ROUTING]", default=None,
                    help="instead: the one-launch decode kernel's per-item timeline (%%globaltimer) at these decode "
                    "points: steady read rate, time lost to its ramp and tail, GEMM2 waits")
+    p.add_argument("--timeline-start", choices=TIMELINE_STARTS, default="cold",
+                   help="how each timeline call starts: after an L2 flush (cold, as the benchmark's replays), after "
+                   "the flush and one read per 2 MiB page of the weights (translations), or right after the previous "
+                   "call (warm)")
     p.add_argument("--no-clocks", action="store_true",
                    help="do not sample the SM clock (NVML) while timing; the clock column shows '-'")
     p.add_argument("--fp8", action="store_true",
@@ -976,7 +998,7 @@ def run(args, shapes, meta, out, log, clocks) -> int:
         (out / f"{args.name}_profile.json").write_text(json.dumps(dict(meta=meta, results=res), indent=1))
         return 0
     if args.timeline:
-        res = timeline(shapes, args.timeline, args.seed, log)
+        res = timeline(shapes, args.timeline, args.seed, log, start=args.timeline_start)
         (out / f"{args.name}_timeline.json").write_text(json.dumps(dict(meta=meta, results=res)))
         return 0
     if args.sweep:

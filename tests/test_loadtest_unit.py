@@ -466,6 +466,9 @@ def test_decode_timeline_summary_finds_the_steady_rate_the_tail_and_the_waits():
     assert abs(got["lost_us"] - (30.0 - 84e6 / (got["steady_tb_s"] * 1e12) * 1e6)) < 1e-9
     assert got["gemm2_wait_mean_us"] == 5.0 and got["gemm2_wait_max_us"] == 10.0  # waits 10, 5 and 0 us
     assert abs(got["gemm2_wait_share"] - 15.0 / (10 + 10 + 20 + 15 + 20)) < 1e-12
+    # First wave: the three items drawn at 0 (60 MB, done by 20 us); the rest 24 MB in the last 10 us.
+    assert got["first_wave_us"] == 20.0 and abs(got["first_wave_tb_s"] - 3.0) < 1e-9
+    assert abs(got["rest_tb_s"] - 2.4) < 1e-9
 
 
 def test_decode_item_bytes_come_from_each_records_columns():
