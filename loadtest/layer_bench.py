@@ -191,9 +191,43 @@ def fp8_rate():
 # ---------------------------------------------------------------------------------- timing
 
 
+# How the L2 is emptied before each timed replay (``--l2-flush``): "write" zeroes a 256 MiB buffer
+# (triton.testing.do_bench's way), which leaves the L2 full of dirty lines whose write-back to HBM
+# falls inside the timed replay; "read" sums a 256 MiB buffer instead and leaves clean lines.
+L2_FLUSHES = ("write", "read")
+L2_FLUSH = "write"
+
+
+def _read_flushed_median_ms(run, warmup_ms, rep_ms):
+    """Median ms of ``run`` with the L2 emptied by a 256 MiB read before each call (as do_bench
+    times, with a different flush)."""
+    cache = torch.ones(64 << 20, dtype=torch.int32, device="cuda")
+    est0, est1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    est0.record()
+    for _ in range(5):
+        cache.sum()
+        run()
+    est1.record()
+    torch.cuda.synchronize()
+    per_call = max(est0.elapsed_time(est1) / 5, 1e-3)
+    for _ in range(max(1, int(warmup_ms / per_call))):
+        run()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(max(1, int(rep_ms / per_call)))]
+    for start, end in events:
+        cache.sum()
+        start.record()
+        run()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
 def graph_time(fn, clocks: ClockSampler | None = None, warmup_ms=10, rep_ms=60):
-    """Capture ``fn`` in a CUDA graph and time replays (median ms, L2 flushed); eager if capture fails.
-    Returns (ms, "graph" or "eager", ``clocks``' summary of the timed replays or ``None``)."""
+    """Capture ``fn`` in a CUDA graph and time replays (median ms, L2 flushed as ``L2_FLUSH`` says);
+    eager if capture fails. Returns (ms, "graph" or "eager", ``clocks``' summary of the timed
+    replays or ``None``)."""
     import triton.testing
 
     fn()
@@ -215,7 +249,10 @@ def graph_time(fn, clocks: ClockSampler | None = None, warmup_ms=10, rep_ms=60):
         torch.cuda.synchronize()
         run, how = fn, "eager"
     t0 = time.monotonic()
-    ms = triton.testing.do_bench(run, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    if L2_FLUSH == "read":
+        ms = _read_flushed_median_ms(run, warmup_ms, rep_ms)
+    else:
+        ms = triton.testing.do_bench(run, warmup=warmup_ms, rep=rep_ms, return_mode="median")
     clock = clocks.summary(t0, time.monotonic()) if clocks is not None else None
     return ms, how, clock
 
@@ -668,10 +705,11 @@ def timeline_summary(records: torch.Tensor, item_bytes: torch.Tensor, gemm1_item
                 gemm2_wait_share=float(wait.sum()) / busy if busy else 0.0)
 
 
-# How a timeline call starts (``--timeline-start``): after an L2 flush, as the benchmark's timed
-# replays do; after the flush and one read per 2 MiB of every expert weight, so that the GPU's
-# address translations of the weights are warm; or right after the previous call (no flush).
-TIMELINE_STARTS = ("cold", "translations", "warm")
+# How a timeline call starts (``--timeline-start``): after an L2 flush by a 256 MiB write, as the
+# benchmark's timed replays by default; after a flush by a 256 MiB read (clean lines); after the
+# write flush and one read per 2 MiB of every expert weight, so that the GPU's address translations
+# of the weights are warm; or right after the previous call (no flush).
+TIMELINE_STARTS = ("cold", "clean", "translations", "warm")
 
 
 def timeline(shapes, points, seed, log, calls=5, start="cold"):
@@ -702,7 +740,9 @@ def timeline(shapes, points, seed, log, calls=5, start="cold"):
         summaries = []
         pages = [w.view(-1)[:: (2 << 20) // w.element_size()] for w in (w13, w2)]
         for _ in range(calls + 1):  # the first call compiles the timeline kernel
-            if start != "warm":
+            if start == "clean":
+                flush.sum()
+            elif start != "warm":
                 flush.zero_()
             if start == "translations":
                 touched = [p.clone() for p in pages]  # noqa: F841 (a gather: one 2-byte read per 2 MiB page)
@@ -924,10 +964,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeline", nargs="*", metavar="SHAPE:TOKENS[:ROUTING]", default=None,
                    help="instead: the one-launch decode kernel's per-item timeline (%%globaltimer) at these decode "
                    "points: steady read rate, time lost to its ramp and tail, GEMM2 waits")
+    p.add_argument("--l2-flush", choices=L2_FLUSHES, default="write",
+                   help="how the L2 is emptied before each timed replay: zero a 256 MiB buffer (write, as "
+                   "triton.testing.do_bench; its dirty lines are written back during the replay) or read one (read)")
     p.add_argument("--timeline-start", choices=TIMELINE_STARTS, default="cold",
-                   help="how each timeline call starts: after an L2 flush (cold, as the benchmark's replays), after "
-                   "the flush and one read per 2 MiB page of the weights (translations), or right after the previous "
-                   "call (warm)")
+                   help="how each timeline call starts: after an L2 flush by a write (cold, as the benchmark's "
+                   "replays by default) or by a read (clean), after the write flush and one read per 2 MiB page of "
+                   "the weights (translations), or right after the previous call (warm)")
     p.add_argument("--no-clocks", action="store_true",
                    help="do not sample the SM clock (NVML) while timing; the clock column shows '-'")
     p.add_argument("--fp8", action="store_true",
@@ -975,12 +1018,15 @@ def main(argv: list[str] | None = None) -> int:
         log_file.write(msg + "\n")
         log_file.flush()
 
+    global L2_FLUSH
+    L2_FLUSH = args.l2_flush
     meta = dict(
-        gpu=torch.cuda.get_device_name(), commit=git_commit(), date=datetime.datetime.now(datetime.UTC).isoformat(),
+        l2_flush=args.l2_flush, gpu=torch.cuda.get_device_name(), commit=git_commit(), date=datetime.datetime.now(datetime.UTC).isoformat(),
         torch=torch.__version__, triton=triton.__version__, transformers=transformers.__version__,
         python=platform.python_version(), sms=torch.cuda.get_device_properties(0).multi_processor_count,
         timing="CUDA graph of each implementation, replay timed by triton.testing.do_bench (median, L2 flushed "
-        "before each replay)",
+        "before each replay)" if args.l2_flush == "write" else "CUDA graph of each implementation, median replay time, "
+        "L2 flushed before each replay by reading 256 MiB (clean lines: no write-back inside the timed replay)",
         peak_flops=PEAK_FLOPS, peak_bytes=PEAK_BYTES,
     )
     clocks = ClockSampler(None) if args.no_clocks else ClockSampler.for_cuda_device(torch.cuda.current_device())
