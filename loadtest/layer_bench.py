@@ -843,7 +843,11 @@ def _misses_markdown(meta, rows) -> list[str]:
         f"the torch-sum read rate above is {meta['read_tb_s']:.2f}) and the dense BF16 tensor peak at the SM clock "
         f"sampled during kittens' replays ({BF16_FLOP_PER_SM_CLOCK} FLOP per SM per clock, {meta.get('sms', '?')} "
         "SMs). Profiles and the reasons behind each kind of miss: kernels/NOTES.md (Profiles; Why the "
-        "compute-bound end stays at 1.35-1.85x the floor; Decode).",
+        "compute-bound end stays at 1.35-1.85x the floor; Decode)." + (
+            " The L2 flush before each replay zeroes 256 MiB, so each replay starts with the L2 full of dirty "
+            "lines whose write-back (up to ~50 MB) falls inside it: at 1 token that costs kittens ~8 us and the "
+            "baselines ~1 us (`--l2-flush read` empties the L2 by a read instead; kernels/NOTES.md, Decode)."
+            if meta.get("l2_flush", "write") == "write" else ""),
         "",
         "| shape | tokens | routing | target | needs ms | kittens ms | short by | needs TB/s | kittens TB/s | "
         "needs TFLOP/s | kittens TFLOP/s | tensor peak TFLOP/s | reading |",

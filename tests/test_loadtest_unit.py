@@ -339,6 +339,11 @@ def test_layer_markdown_says_by_how_much_each_missed_target_is_missed(tmp_path):
     assert "| 0.095 | 0.100 | 5.3% | 3.79 | 3.60 |" in misses[1] and "weight streaming: 86%" in misses[1]
     # 4096 FLOP per SM per clock x 132 SMs x 1.5 GHz = 811 TFLOP/s; 632 of them is 78%.
     assert "| 8.750 | 10.000 | 14.3% |" in misses[2] and "| 632 | 553 | 811 | compute: 78%" in misses[2]
+    # A run whose L2 flush writes says what the flush's write-back costs; a read-flushed run does not.
+    assert "dirty lines" in text
+    (tmp_path / "r.json").write_text(json.dumps(dict(meta={**meta, "l2_flush": "read"}, rows=rows)))
+    assert main(["--replot", str(tmp_path / "r.json")]) == 0
+    assert "dirty lines" not in (tmp_path / "r.md").read_text()
 
 
 def _ep_run(world, rows, commit="abc1234"):
