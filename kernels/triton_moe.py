@@ -555,44 +555,34 @@ def _moe_decode_experts_kernel(
                 _timeline_record(timeline_ptr, item, t_start, t_start, tl.minimum(BLOCK_N1, I - pid_n * BLOCK_N1))
     elif item < gemm1_items + (num_m + narrow_m) * tl.cdiv(H, BLOCK_N2):  # (a ticket past the last item does nothing)
         item2 = item - gemm1_items
+        num_n2 = tl.cdiv(H, BLOCK_N2)
         if NARROW_N2 == 0:
-            in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
-                item2, counts_ptr, num_local, num_m, H, BLOCK_N2, E_PAD, BLOCK_M, 1
-            )
-            pid_m = item2 // tl.cdiv(H, BLOCK_N2)
-            _decode_gemm2_item(
-                act_ptr, w2_ptr, w2_desc, y_ptr, sorted_rows_ptr, sync_ptr, timeline_ptr, item, t_start,
-                in_use, pid_m, pid_n, e, m0, count_e, start_e, num_n1, H, I, max_polls,
-                stride_w2e, stride_w2n, stride_w2k,
-                BLOCK_M, BLOCK_N2, BLOCK_K2, STAGES2, EVEN_K2, EVEN_N2, USE_TMA2, DOT_IEEE, DOT_F32, SWAP_AB, TIMELINE,
-            )
+            wide_items = num_m * num_n2
         else:
             # The last ``narrow_m`` row tiles in use run GEMM2 in NARROW_N2-wide column tiles, so
             # the items drawn last are short and the grid's tail drains sooner.
             total = _tile_of(0, counts_ptr, num_local, E_PAD, BLOCK_M)[0]
-            wide_m = tl.maximum(total - narrow_m, 0)
-            wide_items = wide_m * tl.cdiv(H, BLOCK_N2)
-            if item2 < wide_items:
-                pid_m = item2 // tl.cdiv(H, BLOCK_N2)
-                _, e, m0, count_e, start_e = _tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M)
-                _decode_gemm2_item(
-                    act_ptr, w2_ptr, w2_desc, y_ptr, sorted_rows_ptr, sync_ptr, timeline_ptr, item, t_start,
-                    True, pid_m, item2 % tl.cdiv(H, BLOCK_N2), e, m0, count_e, start_e, num_n1, H, I, max_polls,
-                    stride_w2e, stride_w2n, stride_w2k,
-                    BLOCK_M, BLOCK_N2, BLOCK_K2, STAGES2, EVEN_K2, EVEN_N2, USE_TMA2, DOT_IEEE, DOT_F32, SWAP_AB,
-                    TIMELINE,
-                )
-            else:
-                narrow = item2 - wide_items
-                pid_m = wide_m + narrow // tl.cdiv(H, NARROW_N2)
-                _, e, m0, count_e, start_e = _tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M)
-                _decode_gemm2_item(
-                    act_ptr, w2_ptr, w2_narrow_desc, y_ptr, sorted_rows_ptr, sync_ptr, timeline_ptr, item, t_start,
-                    pid_m < total, pid_m, narrow % tl.cdiv(H, NARROW_N2), e, m0, count_e, start_e, num_n1, H, I,
-                    max_polls, stride_w2e, stride_w2n, stride_w2k,
-                    BLOCK_M, NARROW_N2, BLOCK_K2, STAGES2, EVEN_K2, H % NARROW_N2 == 0, USE_TMA2, DOT_IEEE, DOT_F32,
-                    SWAP_AB, TIMELINE,
-                )
+            wide_items = tl.maximum(total - narrow_m, 0) * num_n2
+        if item2 < wide_items:
+            pid_m = item2 // num_n2
+            total, e, m0, count_e, start_e = _tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M)
+            _decode_gemm2_item(
+                act_ptr, w2_ptr, w2_desc, y_ptr, sorted_rows_ptr, sync_ptr, timeline_ptr, item, t_start,
+                pid_m < total, pid_m, item2 % num_n2, e, m0, count_e, start_e, num_n1, H, I, max_polls,
+                stride_w2e, stride_w2n, stride_w2k,
+                BLOCK_M, BLOCK_N2, BLOCK_K2, STAGES2, EVEN_K2, EVEN_N2, USE_TMA2, DOT_IEEE, DOT_F32, SWAP_AB, TIMELINE,
+            )
+        elif NARROW_N2 > 0:
+            narrow = item2 - wide_items
+            pid_m = wide_items // num_n2 + narrow // tl.cdiv(H, NARROW_N2)
+            total, e, m0, count_e, start_e = _tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M)
+            _decode_gemm2_item(
+                act_ptr, w2_ptr, w2_narrow_desc, y_ptr, sorted_rows_ptr, sync_ptr, timeline_ptr, item, t_start,
+                pid_m < total, pid_m, narrow % tl.cdiv(H, NARROW_N2), e, m0, count_e, start_e, num_n1, H, I,
+                max_polls, stride_w2e, stride_w2n, stride_w2k,
+                BLOCK_M, NARROW_N2, BLOCK_K2, STAGES2, EVEN_K2, H % NARROW_N2 == 0, USE_TMA2, DOT_IEEE, DOT_F32,
+                SWAP_AB, TIMELINE,
+            )
 
 
 @triton.jit
