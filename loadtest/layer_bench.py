@@ -26,7 +26,9 @@ dense FP8 rate measured in the same run (``torch._scaled_mm``, 16384 x 7168 x 40
 ``main(argv)`` is the entry point (``mok-loadtest layer``); ``--sweep`` times block-size variants
 of kittens at a few points instead, ``--profile`` splits a call's device time by kernel,
 ``--timeline`` records the one-launch decode kernel's work items in time, and ``--replot
-RESULT.json`` rewrites an earlier run's Markdown and plot from its JSON (no GPU).
+RESULT.json`` rewrites an earlier run's Markdown and plot from its JSON (no GPU). ``--l2-flush
+read`` empties the L2 before each timed replay by a read instead of do_bench's write, whose dirty
+lines are written back inside the replay (``L2_FLUSHES``).
 """
 
 from __future__ import annotations
