@@ -701,7 +701,8 @@ def timeline_summary(records: torch.Tensor, item_bytes: torch.Tensor, gemm1_item
                 lost_us=span - float(nbytes.sum()) / (steady * 1e12) * 1e6, ramp_us=ramp, tail_us=max(0.0, tail),
                 last_draw_us=float(start.max()), items=len(idx), first_wave_us=first_end,
                 first_wave_tb_s=float(nbytes[first].sum()) / (first_end * 1e-6) / 1e12,
-                rest_tb_s=rest_bytes / ((span - first_end) * 1e-6) / 1e12 if span > first_end else 0.0, sms=int(records[used, 3].unique().numel()),
+                rest_tb_s=rest_bytes / ((span - first_end) * 1e-6) / 1e12 if span > first_end else 0.0,
+                sms=int(records[used, 3].unique().numel()),
                 gemm2_wait_mean_us=float(wait.mean()) if len(wait) else 0.0,
                 gemm2_wait_max_us=float(wait.max()) if len(wait) else 0.0,
                 gemm2_wait_share=float(wait.sum()) / busy if busy else 0.0)
@@ -759,7 +760,8 @@ def timeline(shapes, points, seed, log, calls=5, start="cold"):
         results.append(dict(shape=name, tokens=tokens, routing=routing, start=start, configs=configs, summary=med,
                             records=buf.cpu().tolist()))
         log(f"TIMELINE {name:16s} T={tokens:5d} {routing:7s} {start:12s} first wave {med['first_wave_us']:5.1f} us at "
-            f"{med['first_wave_tb_s']:.2f} TB/s, the rest at {med['rest_tb_s']:.2f}; span {med['span_us']:6.1f} us, {med['bytes'] / 1e6:.0f} MB at "
+            f"{med['first_wave_tb_s']:.2f} TB/s, the rest at {med['rest_tb_s']:.2f}; span {med['span_us']:6.1f} us, "
+            f"{med['bytes'] / 1e6:.0f} MB at "
             f"steady {med['steady_tb_s']:.2f} TB/s: lost {med['lost_us']:5.1f} us (ramp {med['ramp_us']:4.1f}, tail "
             f"{med['tail_us']:4.1f}); last draw at {med['last_draw_us']:6.1f} us; {med['items']:.0f} items on "
             f"{med['sms']:.0f} SMs; GEMM2 wait mean {med['gemm2_wait_mean_us']:.1f} max {med['gemm2_wait_max_us']:.1f} "
