@@ -980,6 +980,32 @@ def decode_items(rows: int, num_local: int, hidden: int, inter: int, configs: tu
     return num_m * triton.cdiv(inter, g1["BLOCK_N"]), (num_m + g2.get("NARROW_TAIL", 0)) * triton.cdiv(hidden, g2["BLOCK_N"])
 
 
+def operand_bytes(counts: list[int], hidden: int, inter: int, configs: tuple[dict, dict],
+                  elem_bytes: int = 2) -> dict:
+    """Bytes the GEMM tiles of a call load into shared memory, by operand, for the per-expert
+    ``counts`` of the call and its ``configs`` (a model of the kernels' tiling, for the layer
+    benchmark; every load goes through L2, so this is the L2-to-SM traffic of the operands).
+
+    Every row tile in use loads its expert's weight columns whole, whatever its rows (a half
+    tail too); its A operand loads only its rows (masked rows fetch nothing), once per column
+    tile. With a narrow GEMM2 tail the last ``NARROW_TAIL`` row tiles in use load their A rows
+    once per half-width column tile."""
+    g1, g2 = configs
+    bm = g1["BLOCK_M"]
+    tile_rows = [min(bm, c - m0) for c in counts for m0 in range(0, c, bm)]
+    rows = sum(tile_rows)
+    n1 = triton.cdiv(inter, g1["BLOCK_N"])
+    n2 = triton.cdiv(hidden, g2["BLOCK_N"])
+    narrow = min(g2.get("NARROW_TAIL", 0), len(tile_rows))
+    narrow_rows = sum(tile_rows[len(tile_rows) - narrow:])
+    return dict(
+        gemm1_a=rows * hidden * n1 * elem_bytes,
+        gemm1_b=len(tile_rows) * 2 * inter * hidden * elem_bytes,
+        gemm2_a=((rows - narrow_rows) * n2 + narrow_rows * triton.cdiv(hidden, g2["BLOCK_N"] // 2)) * inter * elem_bytes,
+        gemm2_b=len(tile_rows) * hidden * inter * elem_bytes,
+    )
+
+
 def launch_decode_experts(
     x: torch.Tensor,
     w13: torch.Tensor,

@@ -279,6 +279,63 @@ def read_bandwidth():
     return buf_bytes(2**31, 2) / (ms * 1e-3) / 1e12
 
 
+def _l2_read_kernel_fn():
+    """A Triton kernel that streams [256, 64] bf16 tiles into shared memory by TMA, as the GEMMs'
+    weight tiles come (pipelined, 3 tiles in flight), each program walking tiles ``pid + i * grid``
+    of a buffer for ``iters`` steps and summing them (so every tile counts)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _l2_read_kernel(desc, out_ptr, num_tiles, iters, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        pid = tl.program_id(0)
+        acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+        for i in tl.range(iters, num_stages=4):
+            t = (pid + i * tl.num_programs(0)) % num_tiles
+            acc += desc.load([t * BLOCK_R, 0]).to(tl.float32)
+        tl.store(out_ptr + pid, tl.sum(acc))
+
+    return _l2_read_kernel
+
+
+def tile_read_bandwidth(buffer_bytes: int, programs: int, iters: int, calls: int = 20) -> float:
+    """TB/s at which ``programs`` programs stream TMA tiles from a ``buffer_bytes`` buffer
+    (``_l2_read_kernel_fn``): from L2 when the buffer fits in it (it stays there between calls),
+    else from HBM. Checked: every program's sum is its tile count times the tile size (the buffer
+    holds ones). Median of ``calls`` timed calls after one warm-up call."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    block_r, block_c = 256, 64
+    tile_bytes = block_r * block_c * 2
+    num_tiles = max(1, buffer_bytes // tile_bytes)
+    buf = torch.ones(num_tiles * block_r, block_c, device="cuda", dtype=torch.bfloat16)
+    desc = TensorDescriptor.from_tensor(buf, [block_r, block_c])
+    out = torch.full((programs,), float("nan"), device="cuda")
+    kernel = _l2_read_kernel_fn()
+    launch = lambda: kernel[(programs,)](desc, out, num_tiles, iters, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=8)
+    launch()
+    if not bool((out == float(iters * block_r * block_c)).all()):
+        raise RuntimeError(f"tile read kernel summed {out.tolist()[:4]}..., expected {iters * block_r * block_c}")
+    times = []
+    for _ in range(calls):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        launch()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del buf
+    return programs * iters * tile_bytes / (statistics.median(times) * 1e-3) / 1e12
+
+
+def l2_read_bandwidth() -> float:
+    """The fastest rate (TB/s) at which TMA tiles stream from L2 into the SMs: a buffer of a third
+    of the L2, the best of 1, 2 and 4 programs per SM. The GEMMs' operand tiles all pass this way."""
+    props = torch.cuda.get_device_properties(0)
+    return max(tile_read_bandwidth(props.L2_cache_size // 3, per_sm * props.multi_processor_count, 2048 // per_sm)
+               for per_sm in (1, 2, 4))
+
+
 def buf_bytes(n, size):
     return n * size
 
@@ -294,6 +351,7 @@ def rel_err(out, ref):
 
 def bench_rows(shapes, tokens_list, routings, seed, log, clocks, on_row=None):
     from mok_serve.kernels import fused_moe, fused_moe_reference
+    from mok_serve.kernels.triton_moe import ONE_LAUNCH_DECODE, operand_bytes, pick_configs
 
     rows = []
     for name, s in shapes.items():
@@ -306,6 +364,9 @@ def bench_rows(shapes, tokens_list, routings, seed, log, clocks, on_row=None):
                 x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, generator=gen)
                 tw, ids = make_routing(tokens, E, K, routing, gen)
                 fl = floor_of(tokens, H, I, K, ids)
+                fl["operand_bytes"] = sum(operand_bytes(
+                    torch.bincount(ids.flatten(), minlength=E).tolist(), H, I,
+                    pick_configs(tokens, K, E, H, I, one_launch=ONE_LAUNCH_DECODE)).values())
                 impls = {
                     "kittens": lambda: fused_moe(x, w13, w2, tw, ids),
                     "torch": lambda: torch_pipeline(x, w13, w2, tw, ids),
@@ -812,26 +873,31 @@ BF16_FLOP_PER_SM_CLOCK = 4096
 HBM_DATASHEET_TB_S = 4.8
 
 
-def miss_reading(row, best_tb_s: float, sms: int) -> dict:
+def miss_reading(row, best_tb_s: float, sms: int, l2_tb_s: float | None = None) -> dict:
     """By how much a row misses its target and what the target asks of the hardware: the HBM
     rate, against the datasheet and against ``best_tb_s`` (the fastest any kittens row of the run
-    read its bytes), and the useful FLOP rate, against the dense tensor peak at the SM clock
-    sampled during kittens' replays."""
+    read its bytes); the rate at which kittens' tiles would have to load their operands through
+    L2 (``operand_bytes``, a model of the tiling), against ``l2_tb_s`` (the measured L2 read
+    rate); and the useful FLOP rate, against the dense tensor peak at the SM clock sampled during
+    kittens' replays."""
     need = target_ms(row)
     need_tb_s = row["bytes"] / need / 1e9
     need_tflops = row["flops"] / need / 1e9
+    need_l2 = row["operand_bytes"] / need / 1e9 if "operand_bytes" in row else None
     clock = (row.get("clock") or {}).get("kittens")
     peak = BF16_FLOP_PER_SM_CLOCK * sms * clock["sm_mhz"] * 1e6 / 1e12 if clock and sms else None
     if need_tb_s > HBM_DATASHEET_TB_S:
         kind, detail = "above the HBM datasheet rate", f"{HBM_DATASHEET_TB_S} TB/s"
     elif need_tb_s > best_tb_s:
         kind, detail = "faster than any row of this run read its bytes", f"{best_tb_s:.2f} TB/s"
+    elif need_l2 and l2_tb_s and need_l2 > l2_tb_s:
+        kind, detail = "L2 operand traffic", f"{need_l2 / l2_tb_s:.0%} of the measured L2 read rate"
     elif peak and need_tflops > 0.5 * peak:
         kind, detail = "compute", f"{need_tflops / peak:.0%} of the tensor peak at kittens' SM clock"
     else:
         kind, detail = "weight streaming", f"{need_tb_s / best_tb_s:.0%} of the best rate of this run"
     return dict(need_ms=need, short_pct=100.0 * (row["kittens_ms"] / need - 1.0), need_tb_s=need_tb_s,
-                need_tflops=need_tflops, kittens_tb_s=row["bytes"] / row["kittens_ms"] / 1e9,
+                need_l2_tb_s=need_l2, need_tflops=need_tflops, kittens_tb_s=row["bytes"] / row["kittens_ms"] / 1e9,
                 kittens_tflops=row["flops"] / row["kittens_ms"] / 1e9, peak_tflops=peak, kind=kind, detail=detail)
 
 
@@ -840,6 +906,7 @@ def _misses_markdown(meta, rows) -> list[str]:
     if not misses:
         return []
     best = max(r["bytes"] / r["kittens_ms"] / 1e9 for r in rows)
+    l2 = meta.get("l2_tb_s")
     lines = [
         "", "## Targets not met: by how much, and what they ask of the hardware", "",
         f"The HBM rate and useful FLOP rate each target needs, against the HBM datasheet rate "
@@ -848,24 +915,29 @@ def _misses_markdown(meta, rows) -> list[str]:
         f"sampled during kittens' replays ({BF16_FLOP_PER_SM_CLOCK} FLOP per SM per clock, {meta.get('sms', '?')} "
         "SMs). Profiles and the reasons behind each kind of miss: kernels/NOTES.md (Profiles; Why the "
         "compute-bound end stays at 1.35-1.85x the floor; Decode)." + (
+            f" Needs L2 TB/s: the bytes kittens' GEMM tiles load into shared memory (`operand_bytes` in "
+            "kernels/triton_moe.py: each row tile loads its expert's weight columns whole and its own rows once "
+            "per column tile) over the time the target asks for, against the rate at which TMA tiles stream from "
+            f"L2 into the SMs, measured in this run: {l2:.2f} TB/s." if l2 else "") + (
             " The L2 flush before each replay zeroes 256 MiB, so each replay starts with the L2 full of dirty "
             "lines whose write-back (up to ~50 MB) falls inside it: at 1 token that costs kittens ~8 us and the "
             "baselines ~1 us (`--l2-flush read` empties the L2 by a read instead; kernels/NOTES.md, Decode)."
             if meta.get("l2_flush", "write") == "write" else ""),
         "",
         "| shape | tokens | routing | target | needs ms | kittens ms | short by | needs TB/s | kittens TB/s | "
-        "needs TFLOP/s | kittens TFLOP/s | tensor peak TFLOP/s | reading |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        + ("needs L2 TB/s | " if l2 else "") + "needs TFLOP/s | kittens TFLOP/s | tensor peak TFLOP/s | reading |",
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if l2 else "") + "---|---|---|",
     ]
     kinds: dict[str, int] = {}
     for r in misses:
-        m = miss_reading(r, best, meta.get("sms", 0))
+        m = miss_reading(r, best, meta.get("sms", 0), l2)
         kinds[m["kind"]] = kinds.get(m["kind"], 0) + 1
         peak = f"{m['peak_tflops']:.0f}" if m["peak_tflops"] else "-"
+        need_l2 = (f"{m['need_l2_tb_s']:.2f} | " if m["need_l2_tb_s"] else "- | ") if l2 else ""
         lines.append(
             f"| {r['shape']} | {r['tokens']} | {r['routing']} | {r['target']} | {m['need_ms']:.3f} | "
             f"{r['kittens_ms']:.3f} | {m['short_pct']:.1f}% | {m['need_tb_s']:.2f} | {m['kittens_tb_s']:.2f} | "
-            f"{m['need_tflops']:.0f} | {m['kittens_tflops']:.0f} | {peak} | {m['kind']}: {m['detail']} |"
+            f"{need_l2}{m['need_tflops']:.0f} | {m['kittens_tflops']:.0f} | {peak} | {m['kind']}: {m['detail']} |"
         )
     lines += ["", "Misses by reading: " + "; ".join(f"{k}: {n}" for k, n in sorted(kinds.items())) + "."]
     return lines
@@ -1063,7 +1135,10 @@ def run(args, shapes, meta, out, log, clocks) -> int:
         log(f"sweep done in {time.time() - t0:.0f} s")
         return 0
     meta["read_tb_s"] = read_bandwidth()
-    log(f"GPU {meta['gpu']}, commit {meta['commit']}, HBM read {meta['read_tb_s']:.2f} TB/s")
+    if not args.fp8:
+        meta["l2_tb_s"] = l2_read_bandwidth()
+    log(f"GPU {meta['gpu']}, commit {meta['commit']}, HBM read {meta['read_tb_s']:.2f} TB/s"
+        + (f", L2 tile read {meta['l2_tb_s']:.2f} TB/s" if "l2_tb_s" in meta else ""))
 
     def partial(rows):  # keep what was measured if the run is cut short
         (out / f"{args.name}.json").write_text(json.dumps(dict(meta={**meta, "partial": True}, rows=rows), indent=1))

@@ -344,6 +344,19 @@ def test_layer_markdown_says_by_how_much_each_missed_target_is_missed(tmp_path):
     (tmp_path / "r.json").write_text(json.dumps(dict(meta={**meta, "l2_flush": "read"}, rows=rows)))
     assert main(["--replot", str(tmp_path / "r.json")]) == 0
     assert "dirty lines" not in (tmp_path / "r.md").read_text()
+    # With the L2 read rate measured and each row's operand bytes, a column says what L2 rate the
+    # target needs; a row that needs more than the measured rate reads so (before compute).
+    l2_rows = [{**rows[1], "operand_bytes": 1e10}, {**rows[2], "operand_bytes": 1e9},
+               {**rows[3], "operand_bytes": 1e11}, {**rows[3], "tokens": 4096}]
+    (tmp_path / "l2.json").write_text(json.dumps(dict(meta={**meta, "l2_tb_s": 8.0}, rows=[rows[0]] + l2_rows)))
+    assert main(["--replot", str(tmp_path / "l2.json")]) == 0
+    l2_text = (tmp_path / "l2.md").read_text()
+    assert "measured in this run: 8.00 TB/s" in l2_text
+    got = [line for line in l2_text.split("## Targets not met")[1].splitlines() if line.startswith("| S |")]
+    assert "| 5.50 | 4.40 | 12.50 | 125 |" in got[0] and "above the HBM datasheet rate" in got[0]
+    assert "| 3.79 | 3.60 | 10.53 | 11 |" in got[1] and "L2 operand traffic: 132% of the measured L2 read rate" in got[1]
+    assert "| 11.43 | 632 |" in got[2] and "L2 operand traffic: 143%" in got[2]
+    assert "| - | 632 |" in got[3] and "compute: 78%" in got[3]  # no operand bytes: no L2 reading
 
 
 def _ep_run(world, rows, commit="abc1234"):

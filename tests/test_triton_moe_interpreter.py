@@ -195,6 +195,19 @@ def test_decode_narrow_gemm2_tail_gives_the_same_bits():
     check_decode_wait_gives_up(tm, x[:3], w13, w2, ids[:3], configs=(g1, dict(wide[1], NARROW_TAIL=1)))
 
 
+def test_operand_bytes_counts_whole_weight_columns_per_row_tile_and_rows_per_column_tile():
+    # Experts of 130, 0 and 5 rows in 128-row tiles: three row tiles (128, 2 and 5 rows) each load
+    # their expert's weights whole; 135 rows load once per column tile (2 in GEMM1, 2 in GEMM2).
+    g1, g2 = dict(BLOCK_M=128, BLOCK_N=16), dict(BLOCK_N=32)
+    got = tm.operand_bytes([130, 0, 5], 64, 32, (g1, g2))
+    assert got == dict(gemm1_a=135 * 64 * 2 * 2, gemm1_b=3 * 2 * 32 * 64 * 2, gemm2_a=135 * 32 * 2 * 2,
+                       gemm2_b=3 * 64 * 32 * 2)
+    # A narrow GEMM2 tail: the last two row tiles (7 rows) load their rows once per 16-wide column tile.
+    narrow = tm.operand_bytes([130, 0, 5], 64, 32, (g1, dict(g2, NARROW_TAIL=2)))
+    assert narrow["gemm2_a"] == (128 * 2 + 7 * 4) * 32 * 2 and narrow["gemm2_b"] == got["gemm2_b"]
+    assert sum(tm.operand_bytes([0, 0], 64, 32, (g1, g2)).values()) == 0
+
+
 # The test takes every GEMM1 ticket beforehand, so the tickets past the last item run too: they
 # must do nothing (no modulo by a zero-sized tile count, which numpy warns about).
 @pytest.mark.filterwarnings("error::RuntimeWarning")
