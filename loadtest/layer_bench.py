@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from .gpu_clocks import ClockSampler, clock_text
+from .l2_rates import l2_read_bandwidth
 
 PEAK_FLOPS = 790e12
 PEAK_BYTES = 4.4e12
@@ -277,63 +278,6 @@ def read_bandwidth():
     del buf
     torch.cuda.empty_cache()
     return buf_bytes(2**31, 2) / (ms * 1e-3) / 1e12
-
-
-def _l2_read_kernel_fn():
-    """A Triton kernel that streams [256, 64] bf16 tiles into shared memory by TMA, as the GEMMs'
-    weight tiles come (pipelined, 3 tiles in flight), each program walking tiles ``pid + i * grid``
-    of a buffer for ``iters`` steps and summing them (so every tile counts)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _l2_read_kernel(desc, out_ptr, num_tiles, iters, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        pid = tl.program_id(0)
-        acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
-        for i in tl.range(iters, num_stages=4):
-            t = (pid + i * tl.num_programs(0)) % num_tiles
-            acc += desc.load([t * BLOCK_R, 0]).to(tl.float32)
-        tl.store(out_ptr + pid, tl.sum(acc))
-
-    return _l2_read_kernel
-
-
-def tile_read_bandwidth(buffer_bytes: int, programs: int, iters: int, calls: int = 20) -> float:
-    """TB/s at which ``programs`` programs stream TMA tiles from a ``buffer_bytes`` buffer
-    (``_l2_read_kernel_fn``): from L2 when the buffer fits in it (it stays there between calls),
-    else from HBM. Checked: every program's sum is its tile count times the tile size (the buffer
-    holds ones). Median of ``calls`` timed calls after one warm-up call."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    block_r, block_c = 256, 64
-    tile_bytes = block_r * block_c * 2
-    num_tiles = max(1, buffer_bytes // tile_bytes)
-    buf = torch.ones(num_tiles * block_r, block_c, device="cuda", dtype=torch.bfloat16)
-    desc = TensorDescriptor.from_tensor(buf, [block_r, block_c])
-    out = torch.full((programs,), float("nan"), device="cuda")
-    kernel = _l2_read_kernel_fn()
-    launch = lambda: kernel[(programs,)](desc, out, num_tiles, iters, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=8)
-    launch()
-    if not bool((out == float(iters * block_r * block_c)).all()):
-        raise RuntimeError(f"tile read kernel summed {out.tolist()[:4]}..., expected {iters * block_r * block_c}")
-    times = []
-    for _ in range(calls):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        launch()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del buf
-    return programs * iters * tile_bytes / (statistics.median(times) * 1e-3) / 1e12
-
-
-def l2_read_bandwidth() -> float:
-    """The fastest rate (TB/s) at which TMA tiles stream from L2 into the SMs: a buffer of a third
-    of the L2, the best of 1, 2 and 4 programs per SM. The GEMMs' operand tiles all pass this way."""
-    props = torch.cuda.get_device_properties(0)
-    return max(tile_read_bandwidth(props.L2_cache_size // 3, per_sm * props.multi_processor_count, 2048 // per_sm)
-               for per_sm in (1, 2, 4))
 
 
 def buf_bytes(n, size):
