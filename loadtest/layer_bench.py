@@ -862,7 +862,9 @@ def _misses_markdown(meta, rows) -> list[str]:
             f" Needs L2 TB/s: the bytes kittens' GEMM tiles load into shared memory (`operand_bytes` in "
             "kernels/triton_moe.py: each row tile loads its expert's weight columns whole and its own rows once "
             "per column tile) over the time the target asks for, against the rate at which TMA tiles stream from "
-            f"L2 into the SMs, measured in this run: {l2:.2f} TB/s." if l2 else "") + (
+            f"L2 alone (every load a hit) into the SMs, measured in this run: {l2:.2f} TB/s; a pipeline that "
+            "mixes hits with tiles streamed from HBM gets less of both (`loadtest/l2_rates.py`; kernels/NOTES.md, "
+            "L2 and the HBM stream)." if l2 else "") + (
             " The L2 flush before each replay zeroes 256 MiB, so each replay starts with the L2 full of dirty "
             "lines whose write-back (up to ~50 MB) falls inside it: at 1 token that costs kittens ~8 us and the "
             "baselines ~1 us (`--l2-flush read` empties the L2 by a read instead; kernels/NOTES.md, Decode)."
