@@ -724,8 +724,8 @@ def timeline(shapes, points, seed, log, calls=5, start="cold"):
     """The one-launch decode kernel's own timeline at each (shape, tokens, routing) point: every
     work item's draw, ready and done times from ``%globaltimer`` (``fused_moe_triton(...,
     _timeline=...)``), summarized by ``timeline_summary`` per call (each call begun as ``start``
-    says, see ``TIMELINE_STARTS``; the median over ``calls`` calls). Returns one dict per point,
-    with the last call's records."""
+    says, see ``TIMELINE_STARTS``; the median over ``calls`` calls, and each call's). Returns one
+    dict per point, with the records of its fastest and its slowest call."""
     from mok_serve.kernels import triton_moe as tm
     from mok_serve.kernels.triton_moe import fused_moe_triton
 
@@ -745,7 +745,7 @@ def timeline(shapes, points, seed, log, calls=5, start="cold"):
         buf = torch.zeros(gemm1_items + gemm2_items, tm.TIMELINE_WORDS, dtype=torch.int64, device="cuda")
         flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
         expect = fused_moe_triton(x, w13, w2, tw, ids, _configs=configs)
-        summaries = []
+        summaries, records_of = [], []
         pages = [w.view(-1)[:: (2 << 20) // w.element_size()] for w in (w13, w2)]
         for _ in range(calls + 1):  # the first call compiles the timeline kernel
             if start == "clean":
@@ -759,18 +759,24 @@ def timeline(shapes, points, seed, log, calls=5, start="cold"):
             torch.cuda.synchronize()
             records = buf.cpu()
             summaries.append(timeline_summary(records, decode_item_bytes(records, gemm1_items, H, I), gemm1_items))
+            records_of.append(records)
         if not torch.equal(out, expect):
             raise AssertionError(f"{name} T={tokens}: the timeline changed the output")
-        med = {k: statistics.median(sm[k] for sm in summaries[1:]) for k in summaries[0]}
+        summaries, records_of = summaries[1:], records_of[1:]
+        med = {k: statistics.median(sm[k] for sm in summaries) for k in summaries[0]}
+        spans = [sm["span_us"] for sm in summaries]
+        fastest, slowest = spans.index(min(spans)), spans.index(max(spans))
         results.append(dict(shape=name, tokens=tokens, routing=routing, start=start, configs=configs, summary=med,
-                            records=buf.cpu().tolist()))
+                            calls=summaries, records_fastest=records_of[fastest].tolist(),
+                            records_slowest=records_of[slowest].tolist()))
         log(f"TIMELINE {name:16s} T={tokens:5d} {routing:7s} {start:12s} first wave {med['first_wave_us']:5.1f} us at "
             f"{med['first_wave_tb_s']:.2f} TB/s, the rest at {med['rest_tb_s']:.2f}; span {med['span_us']:6.1f} us, "
             f"{med['bytes'] / 1e6:.0f} MB at "
             f"steady {med['steady_tb_s']:.2f} TB/s: lost {med['lost_us']:5.1f} us (ramp {med['ramp_us']:4.1f}, tail "
             f"{med['tail_us']:4.1f}); last draw at {med['last_draw_us']:6.1f} us; {med['items']:.0f} items on "
             f"{med['sms']:.0f} SMs; GEMM2 wait mean {med['gemm2_wait_mean_us']:.1f} max {med['gemm2_wait_max_us']:.1f} "
-            f"us, {med['gemm2_wait_share']:.1%} of busy time")
+            f"us, {med['gemm2_wait_share']:.1%} of busy time; span over {len(spans)} calls "
+            f"{min(spans):.1f}-{max(spans):.1f} us")
         del w13, w2, flush
         torch.cuda.empty_cache()
     return results
@@ -997,6 +1003,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="how each timeline call starts: after an L2 flush by a write (cold, as the benchmark's "
                    "replays by default) or by a read (clean), after the write flush and one read per 2 MiB page of "
                    "the weights (translations), or right after the previous call (warm)")
+    p.add_argument("--timeline-calls", type=int, default=5, help="timeline calls per point (after one that compiles)")
     p.add_argument("--no-clocks", action="store_true",
                    help="do not sample the SM clock (NVML) while timing; the clock column shows '-'")
     p.add_argument("--fp8", action="store_true",
@@ -1070,7 +1077,7 @@ def run(args, shapes, meta, out, log, clocks) -> int:
         (out / f"{args.name}_profile.json").write_text(json.dumps(dict(meta=meta, results=res), indent=1))
         return 0
     if args.timeline:
-        res = timeline(shapes, args.timeline, args.seed, log, start=args.timeline_start)
+        res = timeline(shapes, args.timeline, args.seed, log, calls=args.timeline_calls, start=args.timeline_start)
         (out / f"{args.name}_timeline.json").write_text(json.dumps(dict(meta=meta, results=res)))
         return 0
     if args.sweep:
