@@ -499,3 +499,11 @@ def test_decode_item_bytes_come_from_each_records_columns():
     records[:, 4] = torch.tensor([32, 16, 64, 36, 0])
     got = decode_item_bytes(records, gemm1_items=2, hidden=100, inter=80).tolist()
     assert got == [2 * 32 * 100 * 2, 2 * 16 * 100 * 2, 64 * 80 * 2, 36 * 80 * 2, 0]
+
+
+def test_l2_rates_needs_a_gpu(capsys, monkeypatch):
+    from mok_serve.loadtest import l2_rates
+
+    monkeypatch.setattr(l2_rates.torch.cuda, "is_available", lambda: False)
+    assert l2_rates.main([]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err

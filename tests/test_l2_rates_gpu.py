@@ -1,0 +1,21 @@
+"""The TMA tile read probe of loadtest/l2_rates.py on a real GPU: its sums check every load, and
+tiles that stay in L2 stream faster than tiles read from HBM once."""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+def test_l2_resident_tiles_stream_faster_than_hbm_and_mixes_add_up():
+    from mok_serve.loadtest.l2_rates import tile_read_rates
+
+    props = torch.cuda.get_device_properties(0)
+    sms, hit_bytes = props.multi_processor_count, props.L2_cache_size // 3
+    hits = tile_read_rates(1, 0, sms, hit_bytes, calls=5)
+    stream = tile_read_rates(0, 1, sms, hit_bytes, calls=5)
+    assert hits["stream_tb_s"] == 0 and stream["hit_tb_s"] == 0
+    assert hits["hit_tb_s"] > 1.5 * stream["stream_tb_s"] > 0
+    mixed = tile_read_rates(2, 1, sms, hit_bytes, tile_rows=128, calls=5)
+    assert mixed["hit_tb_s"] == pytest.approx(2 * mixed["stream_tb_s"])
+    assert mixed["total_tb_s"] == pytest.approx(mixed["hit_tb_s"] + mixed["stream_tb_s"])
