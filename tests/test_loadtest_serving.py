@@ -122,19 +122,22 @@ def ours(url: str, seed: int, out) -> tuple[float, float]:
 def test_agrees_with_vllm_bench_serve(server, tmp_path):
     model = str(tiny_models.build_tiny_model())
     theirs_runs, ours_runs = [], []
-    # Interleaved rounds (A B B A ...) so that drift in CPU load (other processes on a 2-core
-    # machine) hits both tools alike; the medians are compared. More rounds only if needed.
+    # Interleaved rounds (A B B A ...). Load from other processes on a 2-core machine only ever
+    # slows a round down, and it can hit either tool: seen on a sandbox like CI's, 5-7 of 16 rounds
+    # at 25-65% of the others' rate with 4-20x their TTFT, which moved the medians of 8 rounds apart
+    # by 13-60%. So each tool's fastest round, its least disturbed, is compared. More rounds only
+    # if needed.
     for i in range(8):
         pair = [lambda: theirs_runs.append(vllm_bench(server.url, model, i)),
                 lambda: ours_runs.append(ours(server.url, i, tmp_path / f"r{i}"))]
         for f in pair if i % 2 == 0 else pair[::-1]:
             f()
         if i >= 2:
-            tps_ratio = statistics.median(o[0] for o in ours_runs) / statistics.median(t[0] for t in theirs_runs)
-            ttft_ratio = statistics.median(o[1] for o in ours_runs) / statistics.median(t[1] for t in theirs_runs)
+            tps_ratio = max(o[0] for o in ours_runs) / max(t[0] for t in theirs_runs)
+            ttft_ratio = min(o[1] for o in ours_runs) / min(t[1] for t in theirs_runs)
             if abs(tps_ratio - 1) <= 0.10 and abs(ttft_ratio - 1) <= 0.20:
                 break
-    summary = (f"medians: mok-loadtest / vllm bench serve output tok/s {tps_ratio:.3f}, mean TTFT {ttft_ratio:.3f}; "
+    summary = (f"best rounds: mok-loadtest / vllm bench serve output tok/s {tps_ratio:.3f}, mean TTFT {ttft_ratio:.3f}; "
                f"(tok/s, mean TTFT ms) per round: vllm bench serve {theirs_runs}, mok-loadtest {ours_runs}")
     print(summary)
     assert abs(tps_ratio - 1) <= 0.10, summary
