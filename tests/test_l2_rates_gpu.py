@@ -7,7 +7,7 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
-def test_l2_resident_tiles_stream_faster_than_hbm_and_mixes_add_up():
+def test_l2_resident_tiles_stream_faster_than_hbm_and_a_mix_checks_every_load():
     from mok_serve.loadtest.l2_rates import tile_read_rates
 
     props = torch.cuda.get_device_properties(0)
