@@ -17,6 +17,7 @@
 #include <array>
 #include <cmath>
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -373,6 +374,15 @@ at::Tensor combine_topk(const at::Tensor& rows_in, const at::Tensor& weights_in)
   return out;
 }
 
+// The smallest and largest of the n values outside [lo, end), if any.
+std::optional<std::pair<int64_t, int64_t>> outside(const int64_t* v, int64_t n, int64_t lo, int64_t end) {
+  std::optional<std::pair<int64_t, int64_t>> bad;
+  for (int64_t i = 0; i < n; ++i)
+    if (v[i] < lo || v[i] >= end)
+      bad = bad ? std::pair{std::min(bad->first, v[i]), std::max(bad->second, v[i])} : std::pair{v[i], v[i]};
+  return bad;
+}
+
 // mok_serve::fused_moe on CPU tensors (reference.fused_moe_reference's contract): rows (t, k) in
 // token order, each through the local expert of topk_ids[t, k], then the fixed-order combine.
 at::Tensor fused_moe(const at::Tensor& x_in, const at::Tensor& w13, const at::Tensor& w2,
@@ -386,20 +396,20 @@ at::Tensor fused_moe(const at::Tensor& x_in, const at::Tensor& w13, const at::Te
   const int64_t num_global = expert_map.defined() ? expert_map.numel() : num_local;
   const int64_t* ids = topk_ids.data_ptr<int64_t>();
   const int64_t num_rows = tokens * top_k;
-  // check_fused_moe_args' value checks, here where the ids are read anyway (as there: none without ids).
-  if (num_rows) {
-    const auto [lo, hi] = std::minmax_element(ids, ids + num_rows);
-    TORCH_CHECK_VALUE(*lo >= 0 && *hi < num_global, "topk_ids out of range: found ids in [", *lo, ", ", *hi,
-                      "], valid range is [0, ", num_global, ")");
-  }
+  // check_fused_moe_args' value checks (reference.check_id_values), here where the ids are read
+  // anyway, with the same messages (kernels/bad_ids.py).
+  if (const auto bad = outside(ids, num_rows, -1, num_global))
+    TORCH_CHECK_VALUE(false, "topk_ids out of range: found ids in [", bad->first, ", ", bad->second,
+                      "] outside the valid range [-1, ", num_global, ") (-1: no expert)");
   std::vector<int64_t> token(num_rows), expert(ids, ids + num_rows);
   for (int64_t r = 0; r < num_rows; ++r) token[r] = r / top_k;
-  if (num_rows && expert_map.defined() && num_global) {
+  if (expert_map.defined()) {
     const int64_t* map = expert_map.data_ptr<int64_t>();
-    const auto [lo, hi] = std::minmax_element(map, map + num_global);
-    TORCH_CHECK_VALUE(*lo >= -1 && *hi < num_local, "expert_map values must be -1 or local expert ids in [0, ",
-                      num_local, "); found [", *lo, ", ", *hi, "]");
-    for (int64_t& e : expert) e = map[e];
+    if (const auto bad = outside(map, num_global, -1, num_local))
+      TORCH_CHECK_VALUE(false, "expert_map values must be -1 or local expert ids in [0, ", num_local, "); found [",
+                        bad->first, ", ", bad->second, "]");
+    for (int64_t& e : expert)
+      if (e >= 0) e = map[e];  // -1 (unrouted) stays -1: the row contributes nothing
   }
   at::Tensor rows = at::zeros({num_rows, x.size(1)}, x.options());
   run_rows(x, token.data(), expert.data(), num_rows, w13, w2, rows);

@@ -287,7 +287,8 @@ class SharedMemoryEPWorkspace:
         row_source = torch.cat([torch.full((ids.numel(),), s) for s, ids in enumerate(source_ids)])
         row_token = torch.cat([torch.arange(ids.numel()) // self.top_k for ids in source_ids])
         row_expert = torch.cat([ids.flatten().long() for ids in source_ids])
-        row_owner = self.placement.owner[row_expert].long()
+        # Unrouted rows (id -1) belong to no rank: nobody computes them and they combine as zero.
+        row_owner = torch.where(row_expert >= 0, self.placement.owner[row_expert.clamp(min=0)].long(), -1)
         row_position = torch.empty_like(row_owner)
         for r in range(self.world_size):
             mine = row_owner == r
@@ -316,7 +317,7 @@ class SharedMemoryEPWorkspace:
         # 4. pull this rank's k results from the ranks that computed them; fixed-order fp32 sum.
         mine = row_source == my_source
         owner, position = row_owner[mine], row_position[mine]
-        results = torch.empty(tokens * self.top_k, self.hidden, dtype=self.dtype)
+        results = torch.zeros(tokens * self.top_k, self.hidden, dtype=self.dtype)
         for r in range(self.world_size):
             from_r = owner == r
             results[from_r] = self.segments[r].y[position[from_r]]

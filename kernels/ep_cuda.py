@@ -79,6 +79,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from . import bad_ids
 from .ep_cpu import ExpertPlacement, PeerTimeoutError, call_bound
 from .fp8 import BLOCK_SHAPE, FP8_DTYPE, check_fused_moe_fp8_args
 from .reference import check_fused_moe_args
@@ -771,6 +772,7 @@ class SymmetricMemoryEPWorkspace:
         tests run step i on every simulated rank before step i + 1). The last returns the output.
         ``scales``: ``(w13_scale, w2_scale)`` of FP8 experts (``fused_moe_fp8``)."""
         self._raise_if_error(self._err_host)
+        bad_ids.raise_if_reported(self.device)
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         expert_map = self.expert_map
         fp8 = scales is not None

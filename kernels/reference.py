@@ -8,9 +8,10 @@ Every kittens kernel computes exactly this function (up to floating-point roundi
     expert(e, x) = w2[e] @ (silu(w13[e, :I] @ x) * (w13[e, I:] @ x))
 
 with vLLM's layouts: ``w13`` is ``[E_local, 2*I, H]`` (gate rows, then up rows) and ``w2`` is
-``[E_local, H, I]``. ``topk_ids`` are global expert ids; ``expert_map`` (global -> local, -1 for
-experts that live on another rank) makes an id local, and an id that maps to -1 contributes
-nothing. The activation between the GEMMs and each expert's output are rounded to the input
+``[E_local, H, I]``. ``topk_ids`` are global expert ids, or -1 for a slot routed nowhere (vLLM's
+mark; such a (token, k) row contributes nothing, the token's other experts still count);
+``expert_map`` (global -> local, -1 for experts that live on another rank) makes an id local, and
+an id that maps to -1 contributes nothing. The activation between the GEMMs and each expert's output are rounded to the input
 dtype (as vLLM's kernels do); the top-k sum is fp32 and the result is cast back to the input dtype.
 
 The implementation here sorts (token, k) rows by local expert with a stable sort, so each expert
@@ -31,6 +32,8 @@ tensors runs the faster C++ kernel of ``cpu_moe.py``, which computes the same fu
 import torch
 import torch.nn.functional as F
 
+from . import bad_ids
+
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SUPPORTED_ACTIVATIONS = ("silu",)
 
@@ -48,8 +51,8 @@ def check_fused_moe_args(
 ) -> None:
     """Raise ``ValueError`` naming the first problem with the arguments of ``fused_moe``.
 
-    ``check_values`` also reads ``topk_ids`` and ``expert_map`` to check their ranges; that is a
-    device synchronisation, so kernels skip it while a CUDA graph is being captured.
+    ``check_values``: also check the values of ``topk_ids`` and ``expert_map``
+    (``check_id_values``); the CUDA kernels pass False.
     """
     if activation not in SUPPORTED_ACTIVATIONS:
         raise ValueError(f"activation {activation!r} is not supported; expected one of {SUPPORTED_ACTIVATIONS}")
@@ -99,24 +102,36 @@ def check_fused_moe_args(
     for name, t in tensors.items():
         if t.device != hidden_states.device:
             raise ValueError(f"{name} is on {t.device} but hidden_states is on {hidden_states.device}")
-    if not check_values or topk_ids.numel() == 0:
-        return
+    if check_values:
+        check_id_values(topk_ids, expert_map, num_local)
+
+
+def _outside(values: torch.Tensor, lo: int, end: int) -> tuple[int, int] | None:
+    """The smallest and largest of ``values`` outside ``[lo, end)``, or None."""
+    bad = values[(values < lo) | (values >= end)]
+    return (int(bad.min()), int(bad.max())) if bad.numel() else None
+
+
+def check_id_values(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_local: int) -> None:
+    """Raise ``ValueError`` for top-k ids outside ``[-1, E_global)`` (-1: no expert) or expert_map
+    values outside ``[-1, E_local)``. Reads the values: on CUDA tensors a synchronisation, so the
+    CUDA kernels skip this and report bad values themselves (``bad_ids.py``)."""
     num_global = expert_map.numel() if expert_map is not None else num_local
-    lo, hi = int(topk_ids.min()), int(topk_ids.max())
-    if lo < 0 or hi >= num_global:
-        raise ValueError(f"topk_ids out of range: found ids in [{lo}, {hi}], valid range is [0, {num_global})")
-    if expert_map is not None and expert_map.numel():
-        lo, hi = int(expert_map.min()), int(expert_map.max())
-        if lo < -1 or hi >= num_local:
-            raise ValueError(
-                f"expert_map values must be -1 or local expert ids in [0, {num_local}); found [{lo}, {hi}]"
-            )
+    found = _outside(topk_ids, -1, num_global)
+    if found:
+        raise ValueError(bad_ids.out_of_range_message(bad_ids.TOPK_IDS, *found, num_global))
+    found = _outside(expert_map, -1, num_local) if expert_map is not None else None
+    if found:
+        raise ValueError(bad_ids.out_of_range_message(bad_ids.EXPERT_MAP, *found, num_local))
 
 
 def local_expert_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
-    """Local expert id of every (token, k) row, flattened; -1 where the expert lives elsewhere."""
+    """Local expert id of every (token, k) row, flattened; -1 where the expert lives elsewhere or the
+    row is unrouted (id -1). Ids must be in ``[-1, E_global)``."""
     ids = topk_ids.reshape(-1).long()
-    return expert_map.long()[ids] if expert_map is not None else ids
+    if expert_map is None:
+        return ids
+    return torch.where(ids >= 0, expert_map.long()[ids.clamp(min=0)], -1)
 
 
 def combine_topk(expert_out: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:

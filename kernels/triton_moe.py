@@ -45,10 +45,10 @@ operand order changes a product or the order of the sums. The GPU tests check bi
 alone equals the same token inside batches of 7, 128 and 4096, and that every regime's tiles give
 the same bits.
 
-Out-of-range ids (``< 0`` or ``>= E_global``) and expert_map values outside ``[0, E_local)`` are
-treated as "not local" by every kernel (masked, never dereferenced); eagerly the launcher raises
-through ``check_fused_moe_args`` first (skipped while a CUDA graph is being captured, since reading
-the values is a synchronisation).
+Unrouted slots (id -1), out-of-range ids (``< -1`` or ``>= E_global``) and expert_map values
+outside ``[0, E_local)`` are treated as "not local" by every kernel (masked, never dereferenced).
+The schedule kernel reports out-of-range values (not -1) to the host without a synchronisation,
+and the next call raises ``ValueError`` naming them (``bad_ids.py``).
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import bad_ids
 from .reference import check_fused_moe_args
 
 __all__ = [
@@ -86,11 +87,13 @@ def _cast(x, ty: tl.constexpr, RNE_FIX: tl.constexpr):
 
 
 @triton.jit
-def _local_expert_ids(
+def _expert_ids(
     topk_ids_ptr, expert_map_ptr, rows, row_ok, num_global, num_local, stride_it, stride_ik,
     TOPK: tl.constexpr, HAS_MAP: tl.constexpr,
 ):
-    """Local expert id of each (token, k) row in ``rows``; -1 for non-local or invalid rows.
+    """``(local, gid, mapped)`` of each (token, k) row in ``rows``: its local expert id (-1 for
+    non-local, unrouted (-1) or invalid rows), its global id as stored (-1 where ``row_ok`` is
+    false) and, with ``HAS_MAP``, its expert_map value (-1 where the id is not a valid global id).
 
     Range checks happen in the ids' own dtype (int64 ids are not truncated before the check), and a
     masked load never dereferences an invalid address.
@@ -100,12 +103,24 @@ def _local_expert_ids(
     gid = tl.load(topk_ids_ptr + tok * stride_it + kk * stride_ik, mask=row_ok, other=-1)
     ok = row_ok & (gid >= 0) & (gid < num_global)
     if HAS_MAP:
-        lid = tl.load(expert_map_ptr + tl.where(ok, gid, 0), mask=ok, other=-1)
-        ok = ok & (lid >= 0) & (lid < num_local)
+        mapped = tl.load(expert_map_ptr + tl.where(ok, gid, 0), mask=ok, other=-1)
+        ok = ok & (mapped >= 0) & (mapped < num_local)
+        lid = mapped
     else:
+        mapped = gid
         lid = gid
         ok = ok & (lid < num_local)
-    return tl.where(ok, lid, -1).to(tl.int32)
+    return tl.where(ok, lid, -1).to(tl.int32), gid, mapped
+
+
+@triton.jit
+def _local_expert_ids(
+    topk_ids_ptr, expert_map_ptr, rows, row_ok, num_global, num_local, stride_it, stride_ik,
+    TOPK: tl.constexpr, HAS_MAP: tl.constexpr,
+):
+    """Local expert id of each (token, k) row in ``rows``; -1 for non-local, unrouted or invalid rows."""
+    return _expert_ids(topk_ids_ptr, expert_map_ptr, rows, row_ok, num_global, num_local, stride_it, stride_ik,
+                       TOPK, HAS_MAP)[0]
 
 
 @triton.jit
@@ -131,9 +146,12 @@ def _now(USE_TIMER: tl.constexpr):
     return t
 
 
+_I64_MAX = tl.constexpr(2**63 - 1)
+
+
 @triton.jit
 def _moe_schedule_kernel(
-    topk_ids_ptr, expert_map_ptr, counts_ptr, sorted_rows_ptr,
+    topk_ids_ptr, expert_map_ptr, counts_ptr, sorted_rows_ptr, report_ptr,
     num_rows, num_global, num_local, stride_it, stride_ik,
     TOPK: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -142,13 +160,33 @@ def _moe_schedule_kernel(
     offs = tl.arange(0, BLOCK)
     below = tl.zeros([BLOCK], dtype=tl.int32)
     mine = tl.zeros([BLOCK], dtype=tl.int32)
+    # Program 0 also keeps the range of ids outside [-1, num_global) and of expert_map values
+    # outside [-1, num_local) for the bad-id report (bad_ids.py).
+    id_lo = tl.full([BLOCK], _I64_MAX, tl.int64)
+    id_hi = tl.full([BLOCK], -_I64_MAX, tl.int64)
+    map_lo = tl.full([BLOCK], _I64_MAX, tl.int64)
+    map_hi = tl.full([BLOCK], -_I64_MAX, tl.int64)
     # Pass 1: segment start (rows of experts < e) and count of expert e.
     for start in range(0, num_rows, BLOCK):
         rows = start + offs
-        lid = _local_expert_ids(topk_ids_ptr, expert_map_ptr, rows, rows < num_rows, num_global,
-                                num_local, stride_it, stride_ik, TOPK, HAS_MAP)
+        row_ok = rows < num_rows
+        lid, gid, mapped = _expert_ids(topk_ids_ptr, expert_map_ptr, rows, row_ok, num_global,
+                                       num_local, stride_it, stride_ik, TOPK, HAS_MAP)
         below += ((lid >= 0) & (lid < e)).to(tl.int32)
         mine += (lid == e).to(tl.int32)
+        if e == 0:
+            g64 = gid.to(tl.int64)
+            bad = row_ok & ((g64 < -1) | (g64 >= num_global))
+            id_lo = tl.minimum(id_lo, tl.where(bad, g64, _I64_MAX))
+            id_hi = tl.maximum(id_hi, tl.where(bad, g64, -_I64_MAX))
+            if HAS_MAP:
+                m64 = mapped.to(tl.int64)
+                bad = row_ok & (g64 >= 0) & (g64 < num_global) & ((m64 < -1) | (m64 >= num_local))
+                map_lo = tl.minimum(map_lo, tl.where(bad, m64, _I64_MAX))
+                map_hi = tl.maximum(map_hi, tl.where(bad, m64, -_I64_MAX))
+    if e == 0:
+        _report_bad_ids(report_ptr, tl.min(id_lo, axis=0), tl.max(id_hi, axis=0), num_global,
+                        tl.min(map_lo, axis=0), tl.max(map_hi, axis=0), num_local)
     seg_start = tl.sum(below, axis=0)
     tl.store(counts_ptr + e, tl.sum(mine, axis=0))
     # Pass 2: rows of expert e, in row (= token) order, at seg_start + prefix-sum rank.
@@ -161,6 +199,22 @@ def _moe_schedule_kernel(
         rank = tl.cumsum(hit, axis=0) - 1
         tl.store(sorted_rows_ptr + base + rank, rows, mask=hit != 0)
         base += tl.sum(hit, axis=0)
+
+
+@triton.jit
+def _report_bad_ids(report_ptr, id_lo, id_hi, num_global, map_lo, map_hi, num_local):
+    """Write the bad-id report (bad_ids.py's words: kind, lo, hi, bound) when a range is not empty;
+    ids first. Nothing is written for a call without bad values, so a report stays until read."""
+    if id_lo <= id_hi:
+        tl.store(report_ptr + 1, id_lo)
+        tl.store(report_ptr + 2, id_hi)
+        tl.store(report_ptr + 3, tl.cast(num_global, tl.int64))  # (tl.cast: a 1 arrives as a constexpr)
+        tl.store(report_ptr, 1)
+    elif map_lo <= map_hi:
+        tl.store(report_ptr + 1, map_lo)
+        tl.store(report_ptr + 2, map_hi)
+        tl.store(report_ptr + 3, tl.cast(num_local, tl.int64))
+        tl.store(report_ptr, 2)
 
 
 @triton.jit
@@ -487,7 +541,7 @@ _SYNC_TICKET, _SYNC_ERROR, _SYNC_TILES = tl.constexpr(SYNC_TICKET), tl.constexpr
 
 @triton.jit
 def _moe_schedule_zero_kernel(
-    topk_ids_ptr, expert_map_ptr, counts_ptr, sorted_rows_ptr,
+    topk_ids_ptr, expert_map_ptr, counts_ptr, sorted_rows_ptr, report_ptr,
     num_rows, num_global, num_local, stride_it, stride_ik,
     sync_ptr, num_sync,
     TOPK: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
@@ -497,7 +551,7 @@ def _moe_schedule_zero_kernel(
     _grid_dependency(PDL)
     if tl.program_id(0) < num_local:
         _moe_schedule_kernel(
-            topk_ids_ptr, expert_map_ptr, counts_ptr, sorted_rows_ptr,
+            topk_ids_ptr, expert_map_ptr, counts_ptr, sorted_rows_ptr, report_ptr,
             num_rows, num_global, num_local, stride_it, stride_ik, TOPK, HAS_MAP, BLOCK, False,
         )
     else:
@@ -872,6 +926,7 @@ def launch_schedule(
     has_map = expert_map is not None
     (_moe_schedule_kernel if kernel is None else kernel)[(num_local + extra_programs,)](
         topk_ids, expert_map if has_map else topk_ids, counts, sorted_rows,  # (dummy pointer without a map)
+        bad_ids.report_words(topk_ids.device),
         rows, num_global, num_local, topk_ids.stride(0), topk_ids.stride(1), *extra_args,
         # Every program scans all rows (twice): wide blocks keep that latency-bound loop short.
         TOPK=topk_ids.shape[1], HAS_MAP=has_map, BLOCK=4096 if rows > 2048 else 256 if rows <= 256 else 1024,
@@ -1137,14 +1192,14 @@ def fused_moe_triton(
 ) -> torch.Tensor:
     """The routed experts of one MoE layer (see ``reference.py``) in four Triton launches.
 
-    No host synchronisation, except the eager range check of ``topk_ids`` / ``expert_map`` by
-    ``check_fused_moe_args`` (skipped while a CUDA graph is being captured). ``_configs``
-    overrides the block sizes (benchmark sweeps only); ``_timeline`` receives the one-launch
-    decode kernel's per-item records (profiles only, see ``launch_decode_experts``).
+    No host synchronisation: the arguments' shapes, dtypes and devices are checked on the host,
+    the ids' values by the schedule kernel, which reports bad ones to the next call (``bad_ids.py``).
+    ``_configs`` overrides the block sizes (benchmark sweeps only); ``_timeline`` receives the
+    one-launch decode kernel's per-item records (profiles only, see ``launch_decode_experts``).
     """
-    capturing = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
+    bad_ids.raise_if_reported(hidden_states.device)
     check_fused_moe_args(
-        hidden_states, w13, w2, topk_weights, topk_ids, expert_map, activation, check_values=not capturing
+        hidden_states, w13, w2, topk_weights, topk_ids, expert_map, activation, check_values=False
     )
     out, layer = _layer_setup(hidden_states, w13, topk_ids, expert_map)
     if layer is None:

@@ -24,8 +24,9 @@ Quantization (both places) is ``fp8.py``'s rounding bit for bit: IEEE division (
 the approximate ``/``), round to nearest even, NaN propagated into the group's scale.
 Batch invariance: BLOCK_K = 128 everywhere, K blocks in increasing order on one fp32 accumulator,
 no split-K, block sizes from static shapes only, always wgmma (the token rows on its M side, BLOCK_M
->= 64, or at decode sizes the weight columns: ``SWAP_AB``, the same products and sums). Out-of-range ids and
-non-local experts are masked by the reused schedule/combine kernels; eagerly the launcher raises.
+>= 64, or at decode sizes the weight columns: ``SWAP_AB``, the same products and sums). Unrouted slots (-1),
+out-of-range ids and non-local experts are masked by the reused schedule/combine kernels; the
+schedule kernel reports out-of-range ids to the next call (``bad_ids.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import bad_ids
 from .fp8 import AMAX_FLOOR, BLOCK_SHAPE, FP8_DTYPE, FP8_MAX, check_fused_moe_fp8_args
 from .triton_moe import (
     _acc_zeros,
@@ -120,7 +122,7 @@ def _quantize_tile(q, x_ptr, xq_ptr, xs_ptr, tokens, H, stride_xt, stride_xh, QR
 
 @triton.jit
 def _fp8_schedule_quantize_kernel(
-    topk_ids_ptr, expert_map_ptr, counts_ptr, sorted_rows_ptr,
+    topk_ids_ptr, expert_map_ptr, counts_ptr, sorted_rows_ptr, report_ptr,
     num_rows, num_global, num_local, stride_it, stride_ik,
     x_ptr, xq_ptr, xs_ptr, tokens, H, stride_xt, stride_xh,
     TOPK: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, QROWS: tl.constexpr,
@@ -130,7 +132,7 @@ def _fp8_schedule_quantize_kernel(
     pid = tl.program_id(0)
     if pid < num_local:
         _moe_schedule_kernel(
-            topk_ids_ptr, expert_map_ptr, counts_ptr, sorted_rows_ptr,
+            topk_ids_ptr, expert_map_ptr, counts_ptr, sorted_rows_ptr, report_ptr,
             num_rows, num_global, num_local, stride_it, stride_ik, TOPK, HAS_MAP, BLOCK, False,
         )
     else:
@@ -440,13 +442,13 @@ def fused_moe_fp8_triton(
 ) -> torch.Tensor:
     """The FP8 MoE layer's routed experts (see ``fp8.py``) in four Triton launches.
 
-    No host synchronisation, except the eager range check of ``topk_ids`` / ``expert_map`` (skipped
-    while a CUDA graph is being captured). ``_configs`` overrides the block sizes (benchmark sweeps).
+    No host synchronisation: ids' values are checked by the schedule kernel, as in
+    ``fused_moe_triton``. ``_configs`` overrides the block sizes (benchmark sweeps).
     """
-    capturing = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
+    bad_ids.raise_if_reported(hidden_states.device)
     bn_scale, bk_scale = check_fused_moe_fp8_args(
         hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, expert_map, activation,
-        block_shape, check_values=not capturing,
+        block_shape, check_values=False,
     )
     if bk_scale != GROUP:
         raise ValueError(f"the Triton FP8 kernels need a K block of {GROUP} (block_shape[1]), got {bk_scale}")

@@ -132,8 +132,25 @@ def test_out_of_range_id_with_expert_map():
     x, w13, w2, weights, ids = make_inputs(6, 32, 16, 2, 2, num_global=4)
     expert_map = torch.tensor([0, 1, -1, -1], dtype=torch.int32)
     ids[2, 1] = 4
-    with pytest.raises(ValueError, match=r"valid range is \[0, 4\)"):
+    with pytest.raises(ValueError, match=r"found ids in \[4, 4\] outside the valid range \[-1, 4\)"):
         fused_moe(x, w13, w2, weights, ids, expert_map=expert_map)
+
+
+@pytest.mark.parametrize("with_map", [False, True])
+def test_unrouted_slots_contribute_nothing(with_map):
+    """-1 (vLLM's "no expert") drops that (token, k) slot; the token's other experts still count,
+    a token with no expert at all gets zeros, and -1 never indexes the expert_map."""
+    x, w13, w2, weights, ids = make_inputs(7, 32, 16, 4, 3, torch.float32)
+    expert_map = torch.tensor([0, 1, 2, 3, -1], dtype=torch.int32) if with_map else None
+    unrouted = ids.clone()
+    unrouted[1, 0] = unrouted[4, 2] = -1
+    unrouted[5] = -1
+    keep = (unrouted >= 0).float()
+    out = fused_moe(x, w13, w2, weights, unrouted, expert_map=expert_map)
+    expected = fused_moe_reference(x, w13, w2, weights * keep, ids, expert_map=expert_map)
+    assert torch.equal(out, expected)
+    assert torch.equal(out[5], torch.zeros_like(out[5]))
+    assert fused_moe_reference(x, w13, w2, weights, unrouted, expert_map=expert_map).equal(out)
 
 
 def test_traceable_by_dynamo():

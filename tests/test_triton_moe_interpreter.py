@@ -49,7 +49,8 @@ def test_schedule_positions_are_prefix_sums_in_token_order():
     counts = torch.full((experts,), -7, dtype=torch.int32)
     sorted_rows = torch.full((rows,), -7, dtype=torch.int32)
     tm._moe_schedule_kernel[(experts,)](
-        ids, ids, counts, sorted_rows, rows, experts, experts, ids.stride(0), ids.stride(1),
+        ids, ids, counts, sorted_rows, torch.zeros(4, dtype=torch.int64), rows, experts, experts,
+        ids.stride(0), ids.stride(1),
         TOPK=top_k, HAS_MAP=False, BLOCK=16, PDL=False,
     )
     flat = ids.reshape(-1).long()
@@ -104,22 +105,48 @@ def test_tile_configs_agree(cfg):
     assert rel_err(out, ref) <= TOL[torch.float32]
 
 
-def test_out_of_range_ids_raise_eagerly_and_are_masked_in_kernels(monkeypatch):
+@pytest.mark.parametrize("with_map", [False, True])
+def test_out_of_range_ids_are_masked_and_reported_at_the_next_call(with_map):
+    """No value check on the host (that would be a device sync on CUDA): the schedule kernel masks
+    ids outside [-1, E) (their rows contribute nothing, nothing is read out of bounds) and reports
+    their range, which the next call raises; -1 is valid and reports nothing."""
+    from mok_serve.kernels import bad_ids
+
     x, w13, w2, weights, ids = make_inputs(4, 32, 16, 4, 2, torch.float32, seed=1)
+    expert_map = torch.arange(4, dtype=torch.int32) if with_map else None
     bad = ids.clone()
     bad[1, 0] = 4
     bad[2, 1] = -3
-    with pytest.raises(ValueError, match="out of range"):
-        tm.fused_moe_triton(x, w13, w2, weights, bad)
-    # As under graph capture (no value check): invalid rows contribute nothing, nothing crashes.
-    real_check = tm.check_fused_moe_args
-    monkeypatch.setattr(tm, "check_fused_moe_args", lambda *a, **k: real_check(*a, **{**k, "check_values": False}))
-    out = tm.fused_moe_triton(x, w13, w2, weights, bad)
-    keep = torch.ones_like(weights)
-    keep[1, 0] = 0
-    keep[2, 1] = 0
-    ref = fused_moe_reference(x, w13, w2, weights * keep, ids)
+    bad[3, 0] = -1
+    out = tm.fused_moe_triton(x, w13, w2, weights, bad, expert_map=expert_map)
+    keep = (bad == ids).float()
+    ref = fused_moe_reference(x, w13, w2, weights * keep, ids, expert_map=expert_map)
     assert rel_err(out, ref) <= TOL[torch.float32]
+    with pytest.raises(ValueError, match=r"topk_ids out of range: found ids in \[-3, 4\] outside the valid range "
+                       r"\[-1, 4\) \(-1: no expert\), in an earlier kittens MoE call on cpu"):
+        tm.fused_moe_triton(x, w13, w2, weights, ids, expert_map=expert_map)
+    bad_ids.check_ids("cpu")  # the report was cleared by the error
+    unrouted = ids.clone()
+    unrouted[0, 1] = -1
+    tm.fused_moe_triton(x, w13, w2, weights, unrouted, expert_map=expert_map)
+    bad_ids.check_ids("cpu")
+
+
+def test_out_of_range_expert_map_values_are_reported():
+    """expert_map values outside [-1, E_local) that an id looks up are masked and reported."""
+    from mok_serve.kernels import bad_ids
+
+    x, w13, w2, weights, _ = make_inputs(3, 32, 16, 4, 2, torch.float32, seed=2)
+    ids = torch.tensor([[0, 4], [5, 1], [2, 3]], dtype=torch.int32)
+    expert_map = torch.tensor([0, 1, 2, 3, 7, -2], dtype=torch.int32)
+    out = tm.fused_moe_triton(x, w13, w2, weights, ids, expert_map=expert_map)
+    keep = (ids < 4).float()
+    ref = fused_moe_reference(x, w13, w2, weights * keep, ids.clamp(max=3))
+    assert rel_err(out, ref) <= TOL[torch.float32]
+    with pytest.raises(ValueError, match=r"expert_map values must be -1 or local expert ids in \[0, 4\); "
+                       r"found \[-2, 7\]"):
+        bad_ids.check_ids("cpu")
+    bad_ids.check_ids("cpu")
 
 
 def test_nan_stays_in_its_token():

@@ -242,8 +242,10 @@ class TritonLayerTimer(LayerTimer):
 
     def mark(self, t: torch.Tensor | None, point: int) -> None:
         if point == BEGIN:
+            # Unrouted slots (-1) and any id out of range count nothing (and index nothing).
             ids = t.reshape(-1).to(torch.int64)
-            self.counts.index_add_(0, ids, torch.ones_like(ids))
+            valid = (ids >= 0) & (ids < self.num_experts)
+            self.counts.index_add_(0, ids.clamp(0, self.num_experts - 1), valid.to(torch.int64))
         self._k.launch_mark(self, point, t.shape[0] if point == BEGIN else 0)
 
 

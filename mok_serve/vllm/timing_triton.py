@@ -14,7 +14,9 @@ import triton.language as tl
 from mok_serve.vllm.timing import NB, NBP
 
 
-@triton.jit
+# Per-call values are not specialized: Triton would otherwise compile a kernel for each of
+# tokens == 1, tokens % 16 == 0 and the rest, and pass a 1 as a constant (a Python int).
+@triton.jit(do_not_specialize=["point", "tokens", "host_ts"])
 def _moe_timer_kernel(
     buf_ptr,
     bounds_ptr,
@@ -35,10 +37,10 @@ def _moe_timer_kernel(
             "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
         )
     else:
-        ts = host_ts.to(tl.int64)
+        ts = tl.cast(host_ts, tl.int64)
     if point == 0:
         c = tl.atomic_add(buf_ptr, 1)
-        tl.atomic_add(buf_ptr + 1, tokens.to(tl.int64))
+        tl.atomic_add(buf_ptr + 1, tl.cast(tokens, tl.int64))
     else:
         c = tl.load(buf_ptr) - 1
     if c % sample_every == 0:
