@@ -11,6 +11,7 @@ Schema of ``GET /v1/kittens/layers`` (``object: "kittens.layers"``)::
                  "latency": "last window_calls sampled calls since started_at",
                  "counts": "every call since started_at"},
       "clock": "host steady_clock" | "cuda %globaltimer",
+      "max_cudagraph_capture_size": int | null,  # larger steps run outside CUDA graphs; null: no graphs
       "ranks": [{"rank", "tp_rank", "tp_size", "dp_rank", "ep_rank", "ep_size", "pid"}],
       "num_layers": int,
       "layers": [{
@@ -76,6 +77,7 @@ def merge(snapshots: list[dict]) -> dict:
             "counts": "every call since started_at",
         },
         "clock": first.get("clock"),
+        "max_cudagraph_capture_size": first.get("max_cudagraph_capture_size"),
         "ranks": ranks,
         "num_layers": len(layers),
         "layers": sorted(layers.values(), key=lambda e: (e["index"], e["name"])),

@@ -4,6 +4,7 @@ model shapes, fresh seeds, routings, a one-family weight cache and NaN-poisoned 
 import json
 import pathlib
 
+import pytest
 import torch
 
 SHAPES = json.loads((pathlib.Path(__file__).resolve().parents[1] / "configs" / "model_shapes.json").read_text())
@@ -160,6 +161,47 @@ def check_nan_stays_in_its_token(op, experts):
         out = op(x, *experts, tw, ids)
         assert torch.isnan(out[2]).all()
         assert not torch.isnan(torch.cat([out[:2], out[3:]])).any()
+
+
+def check_bad_ids_masked_and_reported(op, experts, reference, tol):
+    """Unrouted slots (-1) drop out and the token's other experts still count; ids outside [-1, E)
+    are masked too. The eager call does not synchronise (torch's sync debug mode would raise), and
+    the next call raises ``ValueError`` naming the bad values; from a CUDA-graph replay as well,
+    and ``check_ids()`` reports it. ``reference(x, tw, ids)`` is a higher-precision result."""
+    from mok_serve.kernels import bad_ids
+
+    E, H, _ = _sizes(experts)
+    g = torch.Generator(device=DEV).manual_seed(fresh_seed())
+    x = torch.randn(16, H, device=DEV, dtype=torch.bfloat16, generator=g)
+    tw, ids = routing(16, E, 8, gen=g)
+    op(x, *experts, tw, ids)  # compiled before the sync check
+    bad = ids.clone()
+    bad[3, 2] = E + 5
+    bad[9, 0] = -4
+    bad[5, 1] = bad[5, 6] = -1
+    keep = (bad == ids).float()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = op(x, *experts, tw, bad)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert rel_err(out, reference(x, tw * keep, ids)) <= tol
+    with pytest.raises(ValueError, match=rf"found ids in \[-4, {E + 5}\] outside the valid range \[-1, {E}\)"):
+        op(x, *experts, tw, ids)
+    unrouted = ids.clone()
+    unrouted[:, 7] = -1
+    op(x, *experts, tw, unrouted)
+    bad_ids.check_ids()  # -1 alone reports nothing
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = op(x, *experts, tw, bad)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(captured, reference(x, tw * keep, ids)) <= tol
+    with pytest.raises(ValueError, match="outside the valid range"):
+        bad_ids.check_ids()
+    bad_ids.check_ids()
 
 
 # ---------------------------------------------------- one-launch decode kernel (CPU and GPU tests)

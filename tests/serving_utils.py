@@ -51,3 +51,16 @@ def greedy_logprobs(server, prompts=PROMPTS, max_tokens: int = 24) -> list[tuple
         lp = lp.choices[0].logprobs
         out.append((lp.tokens, [sorted(top.values(), reverse=True) for top in lp.top_logprobs]))
     return out
+
+
+def assert_greedy_agrees(got, expected, near: float) -> None:
+    """``greedy_logprobs`` results that agree within FP8-like rounding: the greedy tokens' logprobs
+    within ``near`` nats up to the first token that differs, which must be one where the expected
+    top two were within ``near`` of each other."""
+    for p, ((tokens, top), (tokens1, top1)) in enumerate(zip(got, expected, strict=True)):
+        same = next((i for i, (a, b) in enumerate(zip(tokens, tokens1)) if a != b), len(tokens1))
+        worst = max(abs(a[0] - b[0]) for a, b in zip(top[:same], top1[:same])) if same else 0.0
+        assert worst <= near, f"prompt {p}: a greedy token's logprob moved by {worst:.3f} nats"
+        if same < len(tokens1):
+            margin = top1[same][0] - top1[same][1]
+            assert margin <= near, f"prompt {p}: token {same} differs where the expected top two were {margin:.3f} apart"

@@ -94,3 +94,30 @@ def test_simulated_ep_cuda_graph_replays(world):
         assert torch.equal(torch.cat(outs), kernels.fused_moe(x2, *experts, w2b, ids2)), f"replay {seed} differs"
     for ws in ranks:
         ws.check_errors()
+
+
+@pytest.mark.parametrize("quant", [None, "fp8"])
+def test_simulated_ep_drops_unrouted_slots_without_a_host_sync(quant):
+    """-1 ids (unrouted) drop out on every rank as on one GPU, bitwise, and no launch step of the
+    call synchronises with the host (torch's sync debug mode would raise)."""
+    one_gpu, _, _ = one_gpu_ops(quant)
+    world, (H, I, K) = 4, SHAPES[0]
+    E = K * world
+    counts = CASES[world][0][0]
+    ranks, placement, _ = simulated_ranks(world, E, max_tokens=MAX_T, hidden=H, top_k=K, device="cuda", quant=quant,
+                                          timeout_s=30.0)
+    x, experts, weights, ids = global_inputs(21, counts, E, world=world, hidden=H, inter=I, top_k=K, quant=quant)
+    run_split(ranks, placement, x, experts, weights, ids, counts)  # warm up (compiles)
+    ids[::7, 1] = -1
+    ids[3] = -1
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = run_split(ranks, placement, x, experts, weights, ids, counts)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.equal(got, one_gpu(x, *experts, weights, ids))
+    assert torch.equal(got[3], torch.zeros_like(got[3]))
+    for ws in ranks:
+        ws.check_errors()

@@ -56,3 +56,26 @@ def test_cuda_graph_replays_record():
     torch.cuda.synchronize()
     st = t.snapshot()["rank_stats"]
     assert st["calls"] == 7 and st["sampled_calls"] == 7 and st["tokens"] == 7 * 32
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 2, 16])
+def test_marks_compile_and_count_at_every_token_count(tokens):
+    """Triton passes an integer argument equal to 1 as a constant: the timer kernel still compiles
+    (a real server's first request died of it). Unrouted slots (-1) and ids out of range count for
+    no expert, and the eager marks do not synchronise."""
+    t = _timer(sample_every=1)
+    x = torch.randn(max(tokens, 1), 8, device="cuda")[:tokens]
+    ids = torch.randint(0, 8, (tokens, 2), device="cuda", dtype=torch.int32)
+    if tokens:
+        ids[0, 1] = -1
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            _layer(t, x, ids)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    st = t.snapshot()["rank_stats"]
+    assert st["calls"] == 3 and st["tokens"] == 3 * tokens and st["sampled_calls"] == 3
+    valid = ids.flatten()[ids.flatten() >= 0].long().cpu()
+    assert st["expert_tokens"] == torch.bincount(valid, minlength=8).mul(3).tolist()

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from serving_utils import PROMPTS, client, greedy, greedy_all, greedy_logprobs, model_id
+from serving_utils import PROMPTS, assert_greedy_agrees, client, greedy, greedy_all, greedy_logprobs, model_id
 
 from mok_serve import tiny_models
 from mok_serve.server_process import ServerError, ServerProcess
@@ -215,13 +215,7 @@ def test_block_fp8_tensor_parallel_2_expert_parallel_agrees_with_tp1(fp8_model):
         log = tp2.log()
         assert FP8_LINE in log
         assert "kittens EP: rank 0 of 2 dispatches and combines over shared memory (replicated tokens)" in log
-    for p, ((tokens, top), (tokens1, top1)) in enumerate(zip(got, expected)):
-        same = next((i for i, (a, b) in enumerate(zip(tokens, tokens1)) if a != b), len(tokens1))
-        worst = max(abs(a[0] - b[0]) for a, b in zip(top[:same], top1[:same])) if same else 0.0
-        assert worst <= FP8_TP_NEAR, f"prompt {p}: a greedy token's logprob moved by {worst:.3f} nats"
-        if same < len(tokens1):
-            margin = top1[same][0] - top1[same][1]
-            assert margin <= FP8_TP_NEAR, f"prompt {p}: token {same} differs where TP1's top two were {margin:.3f} apart"
+    assert_greedy_agrees(got, expected, FP8_TP_NEAR)
 
 
 def test_stock_backend_cannot_run_block_fp8_on_this_cpu(fp8_model):

@@ -362,8 +362,18 @@ class KittensWorkerExtension:
             pass
         return info
 
+    def _kittens_graph_limit(self) -> int | None:
+        """The most tokens a step can have and still replay a CUDA graph (larger steps run
+        eagerly); None without CUDA graphs."""
+        config = getattr(self, "vllm_config", None)
+        compilation = getattr(config, "compilation_config", None)
+        mode = getattr(compilation, "cudagraph_mode", None)
+        if compilation is None or mode is None or getattr(mode, "name", "NONE") == "NONE":
+            return None
+        return compilation.max_cudagraph_capture_size
+
     def kittens_layer_stats(self) -> dict:
-        return snapshot(self._kittens_rank_info())
+        return {**snapshot(self._kittens_rank_info()), "max_cudagraph_capture_size": self._kittens_graph_limit()}
 
     def kittens_layer_reset(self) -> int:
         return reset()

@@ -1,0 +1,237 @@
+"""Real vLLM servers on one GPU: every tiny family served by `mok-serve` with its defaults (CUDA
+graphs, torch.compile, per-layer timing on) and by the stock backend (`--moe-backend auto`, vLLM's
+own choice), through the official client: greedy text, streaming, 64 concurrent streams, a prompt
+longer than the largest captured CUDA graph (vLLM runs it eagerly), and the per-layer timing
+routes of both backends.
+
+Run where vLLM 0.32 imports (on the H200 machines: ../shared/gpu-vllm). Every server uses
+`--attention-backend TRITON_ATTN` (the kit carries no FlashAttention build; kittens and stock get
+the same attention) and the DeepSeek-V3 families run with `VLLM_MLA_DISABLE=1` (vLLM's MLA
+prefill needs FlashAttention or FlashInfer, neither of which the kit carries), which changes the
+attention, not the MoE layers. All servers start at once on the one GPU, each with a 1 GiB KV cache
+(`--kv-cache-memory-bytes`, which also skips vLLM's memory profiling, so the starts do not
+disturb each other's). `MOK_TEST_LOG_DIR` keeps the servers' logs there.
+"""
+
+import json
+import os
+import re
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from serving_utils import PROMPTS, assert_greedy_agrees, client, greedy_all, greedy_logprobs, model_id
+
+from mok_serve import tiny_models
+from mok_serve.server_process import ServerError, ServerProcess
+
+pytestmark = pytest.mark.gpu
+
+BF16_FAMILIES = ("qwen3_moe", "deepseek_v3", "glm4_moe")
+FP8_FAMILIES = ("qwen3_moe_fp8", "deepseek_v3_fp8")
+FAMILIES = BF16_FAMILIES + FP8_FAMILIES
+BACKENDS = ("kittens", "stock")
+COMMON = ["--attention-backend", "TRITON_ATTN", "--max-model-len", "4096", "--gpu-memory-utilization", "0.05",
+          "--kv-cache-memory-bytes", str(1 << 30)]  # fmt: skip
+EXPERTS_CLASS = {"kittens": "KittensExperts", "kittens_fp8": "KittensFp8Experts"}
+# FP8: kittens and vLLM's FP8 MoE quantize the activations in the same 1 x 128 groups but sum in
+# other orders, and a last-bit difference can move a group's scale: the greedy tokens' logprobs
+# agree within this many nats, and tokens differ only where stock's top two were that close (the
+# bound the CPU tests use for FP8 under TP2, tests/test_serving.py).
+FP8_NEAR = 0.5
+
+
+def _server_args(family: str, backend: str) -> tuple[list[str], dict]:
+    model = str(tiny_models.build_tiny_model(family))
+    args = [model, *COMMON] + (["--moe-backend", "auto"] if backend == "stock" else [])
+    env = {"VLLM_MLA_DISABLE": "1"} if family.startswith("deepseek") else {}
+    return args, env
+
+
+@pytest.fixture(scope="module")
+def servers():
+    """Every (family, backend) server, started concurrently; a server that failed to start is its
+    ServerError (its tests fail with it) rather than a skip."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    log_dir = Path(os.environ.get("MOK_TEST_LOG_DIR") or tempfile.mkdtemp(prefix="mok-gpu-serving-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    started: dict = {}
+
+    def start(key):
+        family, backend = key
+        args, env = _server_args(family, backend)
+        if backend == "kittens_eager":
+            args = [*args, "--enforce-eager"]
+        server = ServerProcess(args, env=env, log_path=log_dir / f"{family}-{backend}.log", startup_timeout=900)
+        try:
+            started[key] = server.start()
+        except ServerError as e:
+            started[key] = e
+
+    keys = [(f, b) for f in FAMILIES for b in BACKENDS] + [("qwen3_moe", "kittens_eager")]
+    with ThreadPoolExecutor(len(keys)) as pool:
+        list(pool.map(start, keys))
+    yield started
+    for s in started.values():
+        if isinstance(s, ServerProcess):
+            s.stop()
+
+
+def _get(servers, family, backend) -> ServerProcess:
+    s = servers[(family, backend)]
+    if isinstance(s, ServerError):
+        raise s
+    return s
+
+
+def http(server) -> httpx.Client:
+    return httpx.Client(base_url=server.url, timeout=300)
+
+
+def layer_stats(server) -> dict:
+    with http(server) as c:
+        r = c.get("/v1/kittens/layers")
+        assert r.status_code == 200, r.text
+        return r.json()
+
+
+def largest_graph_size(server) -> int:
+    """The largest step (tokens) vLLM replays a CUDA graph for: larger ones run eagerly."""
+    size = layer_stats(server)["max_cudagraph_capture_size"]
+    assert size, "the server runs without CUDA graphs"
+    return size
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_serves_with_cuda_graphs_and_torch_compile(servers, family, backend):
+    server = _get(servers, family, backend)
+    log = server.log()
+    assert "Graph capturing finished" in log, "vLLM captured no CUDA graphs"
+    assert re.search(r"Compiling a graph for compile range|Directly load the compiled graph", log), \
+        "torch.compile did not run"
+    stats = layer_stats(server)
+    assert stats["timing"]["enabled"]
+    fp8 = family.endswith("_fp8")
+    for layer in stats["layers"]:
+        (rank,) = layer["ranks"]
+        if backend == "kittens":
+            assert rank["experts_class"] == EXPERTS_CLASS["kittens_fp8" if fp8 else "kittens"]
+        else:
+            assert not rank["experts_class"].startswith("Kittens")
+    if backend == "kittens":
+        assert stats["backend"] == "kittens"
+    else:
+        assert stats["backend"].startswith("stock")
+    assert largest_graph_size(server) >= 1
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_matches_stock(servers, family):
+    kittens, stock = _get(servers, family, "kittens"), _get(servers, family, "stock")
+    if family in BF16_FAMILIES:
+        assert greedy_all(kittens) == greedy_all(stock)
+    else:
+        assert_greedy_agrees(greedy_logprobs(kittens), greedy_logprobs(stock), FP8_NEAR)
+
+
+def test_eager_mode_serves_the_graph_modes_text(servers):
+    """`--enforce-eager`: no CUDA graphs, no torch.compile, timing on; the text of CUDA-graph mode."""
+    eager, graphs = _get(servers, "qwen3_moe", "kittens_eager"), _get(servers, "qwen3_moe", "kittens")
+    assert greedy_all(eager) == greedy_all(graphs)
+    stats = layer_stats(eager)
+    assert stats["max_cudagraph_capture_size"] is None and stats["layers"][0]["ranks"][0]["calls"] > 0
+
+
+def _stream(server, model, prompt, max_tokens):
+    """(text pieces, finish reason) of a streamed greedy completion."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    pieces, finish = [], None
+    with http(server) as c, c.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choice = json.loads(line[6:])["choices"][0]
+                pieces.append(choice["text"])
+                finish = choice.get("finish_reason") or finish
+    return pieces, finish
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_streaming_gives_the_non_streamed_text(servers, family):
+    server = _get(servers, family, "kittens")
+    c, model = client(server), model_id(server)
+    whole = c.completions.create(model=model, prompt=PROMPTS[0], max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    pieces, finish = _stream(server, model, PROMPTS[0], 16)
+    assert finish == "length" and len(pieces) > 1 and "".join(pieces) == whole.choices[0].text
+    messages = [{"role": "user", "content": "Tell me about kittens."}]
+    chat = c.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
+    stream = c.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0, stream=True)
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == chat.choices[0].message.content
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_64_concurrent_streams(servers, family, backend):
+    server = _get(servers, family, backend)
+    model = model_id(server)
+    with ThreadPoolExecutor(64) as pool:
+        results = list(pool.map(lambda i: _stream(server, model, f"{PROMPTS[i % 6]} ({i})", 32), range(64)))
+    assert [finish for _, finish in results] == ["length"] * 64
+    assert all(len(pieces) >= 1 for pieces, _ in results)
+    assert "Traceback" not in server.log()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prompt_longer_than_the_largest_cuda_graph(servers, family):
+    """A prefill of more tokens than any captured graph runs eagerly (vLLM runs every batch above
+    its largest capture size outside graphs): the kittens text is stock's."""
+    kittens, stock = _get(servers, family, "kittens"), _get(servers, family, "stock")
+    tokens = largest_graph_size(kittens) + 300
+    ids = torch.randint(10, 400, (tokens,), generator=torch.Generator().manual_seed(tokens)).tolist()
+    before = layer_stats(kittens)["layers"][0]["ranks"][0]["tokens"]
+
+    def run(server):
+        out = client(server).completions.create(model=model_id(server), prompt=ids, max_tokens=16, temperature=0,
+                                                logprobs=2)
+        assert out.usage.prompt_tokens == tokens and out.usage.completion_tokens == 16
+        lp = out.choices[0].logprobs
+        return lp.tokens, [sorted(top.values(), reverse=True) for top in lp.top_logprobs]
+
+    ours, theirs = run(kittens), run(stock)
+    if family in BF16_FAMILIES:
+        assert ours[0] == theirs[0]
+    else:
+        assert_greedy_agrees([ours], [theirs], FP8_NEAR)
+    assert layer_stats(kittens)["layers"][0]["ranks"][0]["tokens"] >= before + tokens
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_layer_timing_routes(servers, family, backend):
+    """`/v1/kittens/layers`, `/metrics` and the `/kittens` page: per-layer timing and expert load."""
+    server = _get(servers, family, backend)
+    before = layer_stats(server)
+    greedy_all(server, PROMPTS[:2], max_tokens=8)
+    after = layer_stats(server)
+    assert after["clock"] == "cuda %globaltimer" and after["layers"]
+    for b, a in zip(before["layers"], after["layers"]):
+        (rb,), (ra,) = b["ranks"], a["ranks"]
+        assert ra["calls"] > rb["calls"] and ra["tokens"] > rb["tokens"]
+        assert sum(ra["expert_tokens"]) > sum(rb["expert_tokens"]) and len(ra["expert_tokens"]) == a["num_experts"]
+        lat = ra["latency_ms"]
+        assert lat["samples"] > 0 and 0 < lat["p50"] <= lat["p90"] <= lat["p99"] < 1000
+    with http(server) as c:
+        metrics = c.get("/metrics").text
+        page = c.get("/kittens")
+    label = "kittens" if backend == "kittens" else "stock"
+    counts = [line for line in metrics.splitlines()
+              if line.startswith("kittens:moe_layer_latency_seconds_count") and 'phase="total"' in line]
+    assert counts and all(f'backend="{label}' in line and float(line.rsplit(" ", 1)[1]) > 0 for line in counts)
+    assert "kittens:moe_expert_tokens_total" in metrics
+    assert page.status_code == 200 and "<canvas" in page.text
