@@ -149,7 +149,9 @@ def _now(USE_TIMER: tl.constexpr):
 _I64_MAX = tl.constexpr(2**63 - 1)
 
 
-@triton.jit
+# The row count changes from call to call: unspecialized, one compiled kernel serves every count
+# (a server would otherwise compile new variants while serving, at 1 row and at multiples of 16).
+@triton.jit(do_not_specialize=["num_rows"])
 def _moe_schedule_kernel(
     topk_ids_ptr, expert_map_ptr, counts_ptr, sorted_rows_ptr, report_ptr,
     num_rows, num_global, num_local, stride_it, stride_ik,
@@ -539,7 +541,7 @@ SYNC_TICKET, SYNC_ERROR, SYNC_TILES = 0, 1, 2
 _SYNC_TICKET, _SYNC_ERROR, _SYNC_TILES = tl.constexpr(SYNC_TICKET), tl.constexpr(SYNC_ERROR), tl.constexpr(SYNC_TILES)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _moe_schedule_zero_kernel(
     topk_ids_ptr, expert_map_ptr, counts_ptr, sorted_rows_ptr, report_ptr,
     num_rows, num_global, num_local, stride_it, stride_ik,

@@ -120,7 +120,7 @@ def _quantize_tile(q, x_ptr, xq_ptr, xs_ptr, tokens, H, stride_xt, stride_xh, QR
     tl.store(xs_ptr + t64 * num_g + g, xs, mask=t_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "tokens"])  # per-call counts, as triton_moe's schedule
 def _fp8_schedule_quantize_kernel(
     topk_ids_ptr, expert_map_ptr, counts_ptr, sorted_rows_ptr, report_ptr,
     num_rows, num_global, num_local, stride_it, stride_ik,

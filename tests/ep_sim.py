@@ -84,15 +84,20 @@ def run_call(ranks, per_rank_args, layer="L", per_rank_kwargs=None):
     return outs
 
 
-def run_split(ranks, placement, x, experts, weights, ids, counts, layer="L", **call_kwargs):
+def split_args(placement, x, experts, weights, ids, counts, **call_kwargs):
     """Global inputs split over the ranks (rank r: the next ``counts[r]`` tokens and its local
-    experts) through one call; ``experts`` is ``(w13, w2)`` or, for FP8, ``(w13, w2, s13, s2)``;
-    ``call_kwargs`` go to every rank's call. Returns the ranks' outputs concatenated, in global
-    token order."""
+    experts), as ``run_call``'s ``(per_rank_args, per_rank_kwargs)``; ``experts`` is ``(w13, w2)``
+    or, for FP8, ``(w13, w2, s13, s2)``; ``call_kwargs`` go to every rank's call."""
     args, kwargs = [], []
-    for r in range(len(ranks)):
+    for r in range(len(counts)):
         sl = slice(sum(counts[:r]), sum(counts[:r]) + counts[r])
         local = local_experts(experts, placement, r)
         args.append((x[sl], *local[:2], weights[sl], ids[sl]))
         kwargs.append(dict(call_kwargs, scales=local[2:]) if len(local) == 4 else dict(call_kwargs))
+    return args, kwargs
+
+
+def run_split(ranks, placement, x, experts, weights, ids, counts, layer="L", **call_kwargs):
+    """``split_args``' inputs through one call; the ranks' outputs concatenated, in global token order."""
+    args, kwargs = split_args(placement, x, experts, weights, ids, counts, **call_kwargs)
     return torch.cat(run_call(ranks, args, layer=layer, per_rank_kwargs=kwargs))

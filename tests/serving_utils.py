@@ -1,9 +1,12 @@
 """Helpers for tests that talk to real servers."""
 
 import importlib.util
+import json
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 # Real servers need vLLM and the official client. Where they are missing (the GPU machines, where
 # `pytest -m gpu tests` collects every module) the server test modules are skipped at import.
@@ -53,14 +56,44 @@ def greedy_logprobs(server, prompts=PROMPTS, max_tokens: int = 24) -> list[tuple
     return out
 
 
-def assert_greedy_agrees(got, expected, near: float) -> None:
-    """``greedy_logprobs`` results that agree within FP8-like rounding: the greedy tokens' logprobs
-    within ``near`` nats up to the first token that differs, which must be one where the expected
-    top two were within ``near`` of each other."""
-    for p, ((tokens, top), (tokens1, top1)) in enumerate(zip(got, expected, strict=True)):
+def greedy_drift(got, expected) -> list[dict]:
+    """Per prompt of two ``greedy_logprobs`` results: ``same`` (greedy tokens in common before the
+    first that differs), ``worst`` (largest difference of the greedy token's logprob over them, nats)
+    and ``margin`` (the expected top two's gap where a token differs, else None)."""
+    out = []
+    for (tokens, top), (tokens1, top1) in zip(got, expected, strict=True):
         same = next((i for i, (a, b) in enumerate(zip(tokens, tokens1)) if a != b), len(tokens1))
-        worst = max(abs(a[0] - b[0]) for a, b in zip(top[:same], top1[:same])) if same else 0.0
-        assert worst <= near, f"prompt {p}: a greedy token's logprob moved by {worst:.3f} nats"
-        if same < len(tokens1):
-            margin = top1[same][0] - top1[same][1]
-            assert margin <= near, f"prompt {p}: token {same} differs where the expected top two were {margin:.3f} apart"
+        worst = max((abs(a[0] - b[0]) for a, b in zip(top[:same], top1[:same])), default=0.0)
+        margin = top1[same][0] - top1[same][1] if same < len(tokens1) else None
+        out.append(dict(same=same, tokens=len(tokens1), worst=worst, margin=margin))
+    return out
+
+
+def assert_greedy_agrees(got, expected, near: float) -> None:
+    """``greedy_logprobs`` results that agree within rounding: the greedy tokens' logprobs within
+    ``near`` nats up to the first token that differs, which must be one where the expected top two
+    were within ``near`` of each other."""
+    for p, d in enumerate(greedy_drift(got, expected)):
+        assert d["worst"] <= near, f"prompt {p}: a greedy token's logprob moved by {d['worst']:.3f} nats"
+        if d["margin"] is not None:
+            assert d["margin"] <= near, (
+                f"prompt {p}: token {d['same']} differs where the expected top two were {d['margin']:.3f} apart"
+            )
+
+
+def dequantized_copy(fp8_dir, out):
+    """The FP8 tiny model with its experts dequantized to bf16: the same weights, unquantized."""
+    from safetensors.torch import load_file, save_file
+
+    from mok_serve.kernels.fp8 import dequantize_fp8_blocks
+
+    shutil.copytree(fp8_dir, out)
+    weights = load_file(str(fp8_dir / "model.safetensors"))
+    scales = {k.removesuffix("_scale_inv"): weights.pop(k) for k in list(weights) if k.endswith("_scale_inv")}
+    for name, scale in scales.items():
+        weights[name] = dequantize_fp8_blocks(weights[name], scale).to(torch.bfloat16)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    del config["quantization_config"]
+    (out / "config.json").write_text(json.dumps(config))
+    return out

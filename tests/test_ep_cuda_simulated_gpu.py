@@ -11,7 +11,7 @@ covered: that is ``test_ep_cuda_gpu.py``, which runs at as many GPUs as the mach
 
 import pytest
 import torch
-from ep_sim import global_inputs, local_experts, one_gpu_ops, run_call, run_split, simulated_ranks
+from ep_sim import global_inputs, local_experts, one_gpu_ops, run_call, run_split, simulated_ranks, split_args
 from moe_test_utils import rel_err
 
 pytestmark = pytest.mark.gpu
@@ -110,13 +110,14 @@ def test_simulated_ep_drops_unrouted_slots_without_a_host_sync(quant):
     run_split(ranks, placement, x, experts, weights, ids, counts)  # warm up (compiles)
     ids[::7, 1] = -1
     ids[3] = -1
+    args, kwargs = split_args(placement, x, experts, weights, ids, counts)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        got = run_split(ranks, placement, x, experts, weights, ids, counts)
+        outs = run_call(ranks, args, per_rank_kwargs=kwargs)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    got = torch.cat(outs)
     assert torch.equal(got, one_gpu(x, *experts, weights, ids))
     assert torch.equal(got[3], torch.zeros_like(got[3]))
     for ws in ranks:

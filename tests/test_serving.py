@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from serving_utils import PROMPTS, assert_greedy_agrees, client, greedy, greedy_all, greedy_logprobs, model_id
+from serving_utils import PROMPTS, assert_greedy_agrees, dequantized_copy, client, greedy, greedy_all, greedy_logprobs, model_id
 
 from mok_serve import tiny_models
 from mok_serve.server_process import ServerError, ServerProcess
@@ -143,24 +143,6 @@ def fp8_model():
     return tiny_models.build_tiny_model("deepseek_v3_fp8")
 
 
-def _dequantized_copy(fp8_dir, out):
-    """The FP8 tiny model with its experts dequantized to bf16: the same weights, unquantized."""
-    from safetensors.torch import load_file, save_file
-
-    from mok_serve.kernels.fp8 import dequantize_fp8_blocks
-
-    shutil.copytree(fp8_dir, out)
-    weights = load_file(str(fp8_dir / "model.safetensors"))
-    scales = {k.removesuffix("_scale_inv"): weights.pop(k) for k in list(weights) if k.endswith("_scale_inv")}
-    for name, scale in scales.items():
-        weights[name] = dequantize_fp8_blocks(weights[name], scale).to(torch.bfloat16)
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((out / "config.json").read_text())
-    del config["quantization_config"]
-    (out / "config.json").write_text(json.dumps(config))
-    return out
-
-
 @pytest.mark.parametrize("family", FP8_FAMILIES)
 def test_block_fp8_model_served_by_kittens(family, tmp_path):
     model = tiny_models.build_tiny_model(family)
@@ -184,7 +166,7 @@ def test_block_fp8_model_served_by_kittens(family, tmp_path):
     # Stock vLLM has no FP8 MoE kernel for this CPU (test below), so the stock backend serves the
     # same weights dequantized to bf16; kittens also quantizes the activations (W8A8, 1x128 groups)
     # and the greedy tokens still agree.
-    with ServerProcess([str(_dequantized_copy(model, tmp_path / "bf16")), "--moe-backend", "auto", *COMMON]) as stock:
+    with ServerProcess([str(dequantized_copy(model, tmp_path / "bf16")), "--moe-backend", "auto", *COMMON]) as stock:
         assert greedy_all(stock) == ours
 
 
