@@ -4,6 +4,7 @@
     mok-loadtest layer [options]     one-GPU MoE layer benchmark (mok_serve.loadtest.layer_bench)
     mok-loadtest ep [options]        expert-parallel layer benchmark, a rank per GPU (ep_bench)
     mok-loadtest ep-scaling R.json.. ep_bench runs of several EP degrees side by side (ep_scaling)
+    mok-loadtest invariance [opts]   one greedy probe alone and in batches: distinct outputs per server
 
 ``mok-loadtest serve`` with no option starts a stock server (``mok-serve --moe-backend auto``) and
 then a kittens server (``mok-serve``) on the embedded tiny model, one after the other on free
@@ -532,6 +533,7 @@ FORWARDED = {
     "layer": ("layer_bench", "one-GPU MoE layer benchmark"),
     "ep": ("ep_bench", "expert-parallel layer benchmark, a rank per GPU"),
     "ep-scaling": ("ep_scaling", "ep_bench runs of several EP degrees side by side"),
+    "invariance": ("invariance", "batch invariance at the server: one greedy probe alone and in batches"),
 }
 
 

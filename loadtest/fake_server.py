@@ -2,8 +2,14 @@
 failures without vLLM: it streams ``max_tokens`` chunks with a fixed gap, and can fail requests,
 die mid-stream or stall.
 
+A request with ``"stream": false`` gets one JSON answer instead, after the same delays, with
+``logprobs`` (tokens as ``token_id:N`` under ``return_tokens_as_token_ids``) that are a function
+of the prompt alone, as a batch-invariant server's greedy output is; ``--batch-variance`` makes
+them depend on how many requests are in flight, as a batch-variant server's may.
+
     python -m mok_serve.loadtest.fake_server --port 8123 [--fail-every 3] [--die-after 10]
         [--stall-after 5] [--token-gap 0.002] [--root PATH] [--layers]
+        [--batch-variance none|logprobs|tokens]
 """
 
 from __future__ import annotations
@@ -14,12 +20,13 @@ import json
 import os
 import sys
 import time
+import zlib
 
 from aiohttp import web
 
 
 def make_app(args) -> web.Application:
-    state = {"n": 0, "layer_calls": 0}
+    state = {"n": 0, "layer_calls": 0, "inflight": 0}
 
     async def health(request):
         return web.Response(text="")
@@ -51,6 +58,13 @@ def make_app(args) -> web.Application:
         return web.json_response({"ok": True})
 
     async def completions(request):
+        state["inflight"] += 1
+        try:
+            return await completion(request, state["inflight"])
+        finally:
+            state["inflight"] -= 1
+
+    async def completion(request, inflight):
         body = await request.json()
         state["n"] += 1
         n = state["n"]
@@ -62,6 +76,8 @@ def make_app(args) -> web.Application:
         prompt = body.get("prompt")
         prompt_len = len(prompt) if isinstance(prompt, list) else len(str(prompt).split())
         max_tokens = int(body.get("max_tokens") or 16)
+        if body.get("stream") is False:
+            return await whole_completion(body, n, prompt, prompt_len, max_tokens, inflight)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         await asyncio.sleep(args.ttft)
@@ -80,9 +96,41 @@ def make_app(args) -> web.Application:
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
+    async def whole_completion(body, n, prompt, prompt_len, max_tokens, inflight):
+        await asyncio.sleep(args.ttft + args.token_gap * max_tokens / 2)
+        if args.die_after and n > args.die_after:
+            sys.stdout.flush()
+            os._exit(3)
+        if args.stall_after and n > args.stall_after:
+            await asyncio.sleep(3600)
+        await asyncio.sleep(args.token_gap * max_tokens / 2)
+        # Outputs are a function of the prompt; "in flight" (counted when the request came in,
+        # itself included) stands for the batch a real server would have put it in.
+        h = zlib.crc32(json.dumps(prompt).encode())
+        ids = [(h + 7919 * i) % 1000 for i in range(max_tokens)]
+        lps = [-1.0 - (t % 13) / 16 for t in ids]  # exact binary fractions
+        if args.batch_variance == "logprobs":
+            lps = [lp - 2.0**-20 * (inflight - 1) for lp in lps]
+        elif args.batch_variance == "tokens" and inflight > 1:
+            ids[-1] = (ids[-1] + inflight) % 1000
+        as_ids = bool(body.get("return_tokens_as_token_ids"))
+        tokens = [f"token_id:{t}" if as_ids else f" t{t}" for t in ids]
+        choice = {"index": 0, "text": "".join(f" t{t}" for t in ids), "finish_reason": "length", "logprobs": None}
+        if body.get("logprobs") is not None:
+            choice["logprobs"] = {"tokens": tokens, "token_logprobs": lps,
+                                  "top_logprobs": [{tok: lp} for tok, lp in zip(tokens, lps)],
+                                  "text_offset": [3 * i for i in range(max_tokens)]}
+        usage = {"prompt_tokens": prompt_len, "completion_tokens": max_tokens, "total_tokens": prompt_len + max_tokens}
+        return web.json_response({"id": f"cmpl-{n}", "object": "text_completion", "created": int(time.time()),
+                                  "model": "fake-model", "choices": [choice], "usage": usage})
+
+    async def version(request):
+        return web.json_response({"version": "fake"})
+
     app = web.Application()
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/version", version)
     app.router.add_get("/v1/kittens/layers", layers)
     app.router.add_post("/v1/kittens/layers/reset", layers_reset)
     app.router.add_post("/v1/completions", completions)
@@ -100,6 +148,9 @@ def main(argv=None) -> int:
     p.add_argument("--ttft", type=float, default=0.005, help="seconds before the first token")
     p.add_argument("--root", default="", help="the 'root' reported by /v1/models (a tokenizer path)")
     p.add_argument("--layers", action="store_true", help="serve a fake GET /v1/kittens/layers")
+    p.add_argument("--batch-variance", choices=("none", "logprobs", "tokens"), default="none",
+                   help="non-streamed answers: with more than one request in flight, shift the logprobs or "
+                   "change the last token (default: none, a function of the prompt only)")
     args = p.parse_args(argv)
     web.run_app(make_app(args), host="127.0.0.1", port=args.port, print=None, access_log=None)
     return 0
