@@ -163,11 +163,12 @@ def _moe_schedule_kernel(
     below = tl.zeros([BLOCK], dtype=tl.int32)
     mine = tl.zeros([BLOCK], dtype=tl.int32)
     # Program 0 also keeps the range of ids outside [-1, num_global) and of expert_map values
-    # outside [-1, num_local) for the bad-id report (bad_ids.py).
-    id_lo = tl.full([BLOCK], _I64_MAX, tl.int64)
-    id_hi = tl.full([BLOCK], -_I64_MAX, tl.int64)
-    map_lo = tl.full([BLOCK], _I64_MAX, tl.int64)
-    map_hi = tl.full([BLOCK], -_I64_MAX, tl.int64)
+    # outside [-1, num_local) for the bad-id report (bad_ids.py), as scalars: four int64 vectors
+    # of BLOCK would spill registers at BLOCK = 4096.
+    id_lo = tl.full((), _I64_MAX, tl.int64)
+    id_hi = tl.full((), -_I64_MAX, tl.int64)
+    map_lo = tl.full((), _I64_MAX, tl.int64)
+    map_hi = tl.full((), -_I64_MAX, tl.int64)
     # Pass 1: segment start (rows of experts < e) and count of expert e.
     for start in range(0, num_rows, BLOCK):
         rows = start + offs
@@ -179,16 +180,15 @@ def _moe_schedule_kernel(
         if e == 0:
             g64 = gid.to(tl.int64)
             bad = row_ok & ((g64 < -1) | (g64 >= num_global))
-            id_lo = tl.minimum(id_lo, tl.where(bad, g64, _I64_MAX))
-            id_hi = tl.maximum(id_hi, tl.where(bad, g64, -_I64_MAX))
+            id_lo = tl.minimum(id_lo, tl.min(tl.where(bad, g64, _I64_MAX), axis=0))
+            id_hi = tl.maximum(id_hi, tl.max(tl.where(bad, g64, -_I64_MAX), axis=0))
             if HAS_MAP:
                 m64 = mapped.to(tl.int64)
                 bad = row_ok & (g64 >= 0) & (g64 < num_global) & ((m64 < -1) | (m64 >= num_local))
-                map_lo = tl.minimum(map_lo, tl.where(bad, m64, _I64_MAX))
-                map_hi = tl.maximum(map_hi, tl.where(bad, m64, -_I64_MAX))
+                map_lo = tl.minimum(map_lo, tl.min(tl.where(bad, m64, _I64_MAX), axis=0))
+                map_hi = tl.maximum(map_hi, tl.max(tl.where(bad, m64, -_I64_MAX), axis=0))
     if e == 0:
-        _report_bad_ids(report_ptr, tl.min(id_lo, axis=0), tl.max(id_hi, axis=0), num_global,
-                        tl.min(map_lo, axis=0), tl.max(map_hi, axis=0), num_local)
+        _report_bad_ids(report_ptr, id_lo, id_hi, num_global, map_lo, map_hi, num_local)
     seg_start = tl.sum(below, axis=0)
     tl.store(counts_ptr + e, tl.sum(mine, axis=0))
     # Pass 2: rows of expert e, in row (= token) order, at seg_start + prefix-sum rank.

@@ -40,16 +40,22 @@ EXTRA = [("qwen3_moe", "kittens_eager")] + [(f, "stock_dequantized") for f in FP
 COMMON = ["--attention-backend", "TRITON_ATTN", "--max-model-len", "4096", "--gpu-memory-utilization", "0.05",
           "--kv-cache-memory-bytes", str(1 << 30)]  # fmt: skip
 EXPERTS_CLASS = {"kittens": "KittensExperts", "kittens_fp8": "KittensFp8Experts"}
-# bf16: kittens sums each GEMM and the top-k in another order than vLLM's Triton kernel, so a
-# layer's output can differ in its last bits, and the random tiny models have near-ties. Greedy text
-# must equal stock's except from a token where stock's top two logprobs were within BF16_NEAR nats
-# (and the greedy tokens' logprobs before it within BF16_NEAR).
-BF16_NEAR = 0.1
-# FP8: the CPU tests' criterion (tests/test_serving.py): kittens' FP8 output against the stock
-# backend serving the same weights dequantized to bf16, within FP8_NEAR nats (the bound used there
-# for FP8 under TP2). vLLM's own FP8 MoE is held to the same bound against the same model, and the
-# two FP8 backends then agree within twice it.
+# Greedy output against stock. kittens sums each GEMM and the top-k in another order than vLLM's
+# kernels, so a layer's output can differ in its last bits, and the random tiny models have ties:
+# - tokens: equal to the reference's up to the first token where the reference's top two logprobs
+#   were within NEAR nats (bf16) or FP8_NEAR (FP8, the CPU tests' bound, tests/test_serving.py);
+#   measured at c622524 (loadtest/results/serving_gpu_c622524.log): every bf16 token equal except
+#   two prompts of glm4_moe, each from a token whose top two were exactly tied (0.000 apart);
+#   every FP8 token equal;
+# - logprobs of the greedy tokens before it: within DRIFT nats. They are bf16 logits (~0.03 nats
+#   apart at these magnitudes), and a last-bit difference can flip a token's expert choice, which
+#   moves later logprobs by more: measured up to 0.53 nats bf16 (deepseek_v3), 0.60 FP8; vLLM's own
+#   FP8 MoE moved them by up to 0.55 from the same weights dequantized to bf16.
+# FP8 is held, as on the CPU, against stock serving the weights dequantized to bf16; vLLM's FP8 MoE
+# is held to the same bounds there.
+NEAR = 0.1
 FP8_NEAR = 0.5
+DRIFT = 1.0
 
 
 def _server_args(family: str, backend: str, log_dir: Path) -> tuple[list[str], dict]:
@@ -156,7 +162,7 @@ def test_greedy_matches_stock(servers, family):
     kittens, stock = _get(servers, family, "kittens"), _get(servers, family, "stock")
     ours, theirs = greedy_logprobs(kittens), greedy_logprobs(stock)
     _print_drift(f"{family} kittens vs stock", ours, theirs)
-    assert_greedy_agrees(ours, theirs, BF16_NEAR)
+    assert_greedy_agrees(ours, theirs, NEAR, DRIFT)
 
 
 @pytest.mark.parametrize("family", FP8_FAMILIES)
@@ -167,9 +173,9 @@ def test_fp8_greedy_matches_the_dequantized_model_as_stock_fp8_does(servers, fam
     _print_drift(f"{family} kittens FP8 vs stock bf16-dequantized", ours, exact)
     _print_drift(f"{family} stock FP8 vs stock bf16-dequantized", theirs, exact)
     _print_drift(f"{family} kittens FP8 vs stock FP8", ours, theirs)
-    assert_greedy_agrees(ours, exact, FP8_NEAR)
-    assert_greedy_agrees(theirs, exact, FP8_NEAR)
-    assert_greedy_agrees(ours, theirs, 2 * FP8_NEAR)
+    assert_greedy_agrees(ours, exact, FP8_NEAR, DRIFT)
+    assert_greedy_agrees(theirs, exact, FP8_NEAR, DRIFT)
+    assert_greedy_agrees(ours, theirs, FP8_NEAR, 2 * DRIFT)
 
 
 def test_eager_mode_serves_the_graph_modes_text(servers):
@@ -238,7 +244,7 @@ def test_prompt_longer_than_the_largest_cuda_graph(servers, family):
 
     ours, theirs = run(kittens), run(stock)
     _print_drift(f"{family} {tokens}-token prompt, kittens vs stock", [ours], [theirs])
-    assert_greedy_agrees([ours], [theirs], BF16_NEAR if family in BF16_FAMILIES else 2 * FP8_NEAR)
+    assert_greedy_agrees([ours], [theirs], NEAR if family in BF16_FAMILIES else FP8_NEAR, DRIFT)
     assert layer_stats(kittens)["layers"][0]["ranks"][0]["tokens"] >= before + tokens
 
 

@@ -78,7 +78,7 @@ for tokens in (1, 512, 1024, 4096):
           g2["num_warps"], g2["num_stages"])
 build("schedule_quantize", tf._fp8_schedule_quantize_kernel,
       dict(topk_ids_ptr=ptr("i32"), expert_map_ptr=ptr("i32"), counts_ptr=ptr("i32"), sorted_rows_ptr=ptr("i32"),
-           x_ptr=ptr("bf16"), xq_ptr=ptr("fp8e4nv"), xs_ptr=ptr("fp32")),
+           report_ptr=ptr("i64"), x_ptr=ptr("bf16"), xq_ptr=ptr("fp8e4nv"), xs_ptr=ptr("fp32")),
       dict(num_rows=8 * 4096, num_global=E, num_local=E, stride_it=K, stride_ik=1, tokens=4096, H=H,
            stride_xt=H, stride_xh=1),
       dict(TOPK=K, HAS_MAP=True, BLOCK=4096, QROWS=32, RNE_FIX=False, PDL=True), 8, 1)
