@@ -98,3 +98,25 @@ def dequantized_copy(fp8_dir, out):
     del config["quantization_config"]
     (out / "config.json").write_text(json.dumps(config))
     return out
+
+
+def stream_completion(server, model, prompt, max_tokens, *, headers=None, stop_after=None):
+    """(text pieces, finish reason) of a streamed greedy completion with ``ignore_eos``; with
+    ``stop_after``, the connection is dropped after that many chunks (finish reason "dropped")."""
+    import httpx
+
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    pieces, finish = [], None
+    with httpx.Client(base_url=server.url, headers=headers, timeout=300) as c, \
+            c.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            pieces.append(choice["text"])
+            finish = choice.get("finish_reason") or finish
+            if stop_after is not None and len(pieces) >= stop_after:
+                return pieces, "dropped"
+    return pieces, finish

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serving_utils import PROMPTS
+from serving_utils import PROMPTS, stream_completion
 
 from mok_serve import tiny_models
 from mok_serve.server_process import ServerError, ServerProcess, free_port
@@ -192,21 +192,7 @@ def test_bad_requests_get_vllm_errors(server):
 
 
 def _stream(server, model, prompt, max_tokens, stop_after=None):
-    """Stream a completion; with stop_after, drop the connection after that many chunks."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}  # fmt: skip
-    pieces, finish = [], None
-    with http(server) as c, c.stream("POST", "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            choice = json.loads(line[6:])["choices"][0]
-            pieces.append(choice["text"])
-            finish = choice.get("finish_reason") or finish
-            if stop_after is not None and len(pieces) >= stop_after:
-                return pieces, "dropped"
-    return pieces, finish
+    return stream_completion(server, model, prompt, max_tokens, headers=AUTH, stop_after=stop_after)
 
 
 def test_client_disconnect_mid_stream_does_not_disturb_others(server):

@@ -13,7 +13,6 @@ attention, not the MoE layers. All servers start at once on the one GPU, each wi
 disturb each other's). `MOK_TEST_LOG_DIR` keeps the servers' logs there.
 """
 
-import json
 import os
 import re
 import tempfile
@@ -25,6 +24,7 @@ import pytest
 import torch
 from serving_utils import (
     PROMPTS, assert_greedy_agrees, client, dequantized_copy, greedy_all, greedy_drift, greedy_logprobs, model_id,
+    stream_completion,
 )
 
 from mok_serve import tiny_models
@@ -186,27 +186,12 @@ def test_eager_mode_serves_the_graph_modes_text(servers):
     assert stats["max_cudagraph_capture_size"] is None and stats["layers"][0]["ranks"][0]["calls"] > 0
 
 
-def _stream(server, model, prompt, max_tokens):
-    """(text pieces, finish reason) of a streamed greedy completion."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}  # fmt: skip
-    pieces, finish = [], None
-    with http(server) as c, c.stream("POST", "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                choice = json.loads(line[6:])["choices"][0]
-                pieces.append(choice["text"])
-                finish = choice.get("finish_reason") or finish
-    return pieces, finish
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_streaming_gives_the_non_streamed_text(servers, family):
     server = _get(servers, family, "kittens")
     c, model = client(server), model_id(server)
     whole = c.completions.create(model=model, prompt=PROMPTS[0], max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
-    pieces, finish = _stream(server, model, PROMPTS[0], 16)
+    pieces, finish = stream_completion(server, model, PROMPTS[0], 16)
     assert finish == "length" and len(pieces) > 1 and "".join(pieces) == whole.choices[0].text
     messages = [{"role": "user", "content": "Tell me about kittens."}]
     chat = c.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
@@ -220,7 +205,7 @@ def test_64_concurrent_streams(servers, family, backend):
     server = _get(servers, family, backend)
     model = model_id(server)
     with ThreadPoolExecutor(64) as pool:
-        results = list(pool.map(lambda i: _stream(server, model, f"{PROMPTS[i % 6]} ({i})", 32), range(64)))
+        results = list(pool.map(lambda i: stream_completion(server, model, f"{PROMPTS[i % 6]} ({i})", 32), range(64)))
     assert [finish for _, finish in results] == ["length"] * 64
     assert all(len(pieces) >= 1 for pieces, _ in results)
     assert "Traceback" not in server.log()
