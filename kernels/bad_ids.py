@@ -71,9 +71,9 @@ def raise_if_reported(device: torch.device) -> None:
 def check_ids(device: torch.device | str | int | None = None) -> None:
     """Synchronise ``device`` (default: the current CUDA device) and raise ``ValueError`` if any kittens
     call issued on it so far met ids out of range."""
-    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device("cuda" if device is None else device)
     if device.type == "cuda":
+        if device.index is None:  # reports are kept per indexed device, as tensors carry them
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.synchronize(device)
     raise_if_reported(device)

@@ -147,6 +147,9 @@ def _now(USE_TIMER: tl.constexpr):
 
 
 _I64_MAX = tl.constexpr(2**63 - 1)
+# bad_ids.py's report: its words and the kinds of bad value.
+_KIND, _LO, _HI, _BOUND = (tl.constexpr(w) for w in (bad_ids.KIND, bad_ids.LO, bad_ids.HI, bad_ids.BOUND))
+_TOPK_IDS, _EXPERT_MAP = tl.constexpr(bad_ids.TOPK_IDS), tl.constexpr(bad_ids.EXPERT_MAP)
 
 
 # The row count changes from call to call: unspecialized, one compiled kernel serves every count
@@ -208,15 +211,15 @@ def _report_bad_ids(report_ptr, id_lo, id_hi, num_global, map_lo, map_hi, num_lo
     """Write the bad-id report (bad_ids.py's words: kind, lo, hi, bound) when a range is not empty;
     ids first. Nothing is written for a call without bad values, so a report stays until read."""
     if id_lo <= id_hi:
-        tl.store(report_ptr + 1, id_lo)
-        tl.store(report_ptr + 2, id_hi)
-        tl.store(report_ptr + 3, tl.cast(num_global, tl.int64))  # (tl.cast: a 1 arrives as a constexpr)
-        tl.store(report_ptr, 1)
+        tl.store(report_ptr + _LO, id_lo)
+        tl.store(report_ptr + _HI, id_hi)
+        tl.store(report_ptr + _BOUND, tl.cast(num_global, tl.int64))  # (tl.cast: a 1 arrives as a constexpr)
+        tl.store(report_ptr + _KIND, _TOPK_IDS)
     elif map_lo <= map_hi:
-        tl.store(report_ptr + 1, map_lo)
-        tl.store(report_ptr + 2, map_hi)
-        tl.store(report_ptr + 3, tl.cast(num_local, tl.int64))
-        tl.store(report_ptr, 2)
+        tl.store(report_ptr + _LO, map_lo)
+        tl.store(report_ptr + _HI, map_hi)
+        tl.store(report_ptr + _BOUND, tl.cast(num_local, tl.int64))
+        tl.store(report_ptr + _KIND, _EXPERT_MAP)
 
 
 @triton.jit
