@@ -69,11 +69,19 @@ def greedy_drift(got, expected) -> list[dict]:
     return out
 
 
-def assert_greedy_agrees(got, expected, near: float, drift: float | None = None) -> None:
+# A last-bit difference in a MoE layer's input (another summation order, TP's split dense sums, FP8's
+# per-group activation scales) can flip one token's expert choice where the router's top-k is near a
+# tie. That moves the logprobs at that position by far more than rounding, while its neighbours stay
+# close. Measured: bf16 kittens vs stock on the H200 up to 0.53 nats (deepseek_v3), FP8 0.60; CPU
+# deepseek_v3_fp8 TP2 + EP vs TP1 on an AVX-512 EPYC: 142 of 144 greedy tokens within 0.12 nats,
+# two isolated positions at 0.52 and 0.61, every token equal.
+ROUTING_FLIP_DRIFT = 1.0
+
+
+def assert_greedy_agrees(got, expected, near: float, drift: float = ROUTING_FLIP_DRIFT) -> None:
     """``greedy_logprobs`` results that agree within rounding: the greedy tokens' logprobs within
-    ``drift`` nats (default ``near``) up to the first token that differs, which must be one where
-    the expected top two were within ``near`` of each other."""
-    drift = near if drift is None else drift
+    ``drift`` nats up to the first token that differs, which must be one where the expected top two
+    were within ``near`` of each other."""
     for p, d in enumerate(greedy_drift(got, expected)):
         assert d["worst"] <= drift, f"prompt {p}: a greedy token's logprob moved by {d['worst']:.3f} nats"
         if d["margin"] is not None:
