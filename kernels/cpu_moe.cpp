@@ -1,11 +1,30 @@
 // The kittens MoE layer on the CPU: expert rows and the fixed-order top-k combine.
 //
 // Computes the function documented in reference.py. What makes it batch invariant: every output
-// element of a GEMM is summed over k in order, k = 0 first (`gemm_rows`), on every code path. No
-// BLAS library picks a kernel by row count, so a row's result never depends on how many rows
-// share its expert or the call. Built with -ffp-contract=off, except the GEMM block (`gemm_tile`,
-// `gemm_rows`), compiled with contraction on so that every term there is one fused multiply-add
-// on every path: the compiler must not fuse a multiply and an add in one path and not another.
+// element of a GEMM is summed over k in one fixed order on every code path, whatever the number of
+// rows of its expert, its row block, its column tile and the thread that runs it. No BLAS library
+// picks a kernel by row count, so a row's result never depends on how many rows share its expert
+// or the call.
+//
+// The order (`PAIR ORDER`): k in pairs (0, 1), (2, 3), ..., and in each pair the odd term first:
+//   acc = 0; for p: acc = round(acc + a[2p+1] * w[2p+1]); acc = round(acc + a[2p] * w[2p])
+// (an odd K ends with the lone last term). Every term is one rounding of an exact-product sum: a
+// fused multiply-add. It is the order of the AVX-512 BF16 dot-product instruction (vdpbf16ps: per
+// lane, acc + odd product, rounded, + even product, rounded; measured on an AMD EPYC, as Intel's
+// SDM specifies), so the two ISAs below give the same bits for bf16 on normal numbers:
+//
+// - `generic` (every CPU): GCC vector extensions, eight floats (an AVX2 register), weights
+//   widened to fp32, FMAs by contraction (`gemm_tile` is compiled with fp-contract=fast, the rest of
+//   the file with -ffp-contract=off, so the compiler cannot fuse a multiply and an add in one path
+//   and not another). Runs every dtype.
+// - `avx512_bf16` (CPUs with AVX-512 F/BW/VL/BF16, chosen at load time by CPUID; bf16 activations):
+//   vdpbf16ps on 16 columns x 1 k-pair at a time; bf16 products are exact in fp32, so each of its two
+//   steps is the generic path's FMA. Differences: vdpbf16ps treats subnormal inputs as zero and
+//   flushes subnormal results, the FMA does not (bits can differ only where a subnormal occurs).
+//   fp16 and fp32 activations take the generic path on every CPU.
+//
+// The ISA is process-wide, set once at load (`set_isa`, from cpu_moe.py's MOK_SERVE_CPU_ISA) and
+// never chosen by row count or thread count.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -15,19 +34,80 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define MOK_X86_64 1
+#endif
+
 namespace {
+
+// ---------------------------------------------------------------------------------------------
+// ISA selection
+
+enum class Isa : int { GENERIC = 0, AVX512_BF16 = 1 };
+
+constexpr std::array<std::string_view, 2> ISA_NAMES = {"generic", "avx512_bf16"};
+
+bool cpu_supports(Isa isa) {
+  if (isa == Isa::GENERIC) return true;
+#ifdef MOK_X86_64
+  __builtin_cpu_init();  // CPUID, and XGETBV for the OS's support of the 512-bit state
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+Isa best_isa() { return cpu_supports(Isa::AVX512_BF16) ? Isa::AVX512_BF16 : Isa::GENERIC; }
+
+std::atomic<int>& isa_slot() {
+  static std::atomic<int> isa{static_cast<int>(best_isa())};
+  return isa;
+}
+
+Isa active_isa() { return static_cast<Isa>(isa_slot().load(std::memory_order_relaxed)); }
+
+// ---------------------------------------------------------------------------------------------
+// Shared by both ISAs
+
+// Rounds through the activation dtype, as a GEMM in that dtype returns its result.
+template <typename T>
+inline float round_to(float v) {
+  return static_cast<float>(static_cast<T>(v));
+}
+
+// SiLU(gate) * up on the GEMM1 outputs, each rounded to T first; the caller rounds the result to T.
+// Plain IEEE operations and libm's expf (compiled without contraction): the same on both ISAs.
+template <typename T>
+inline float silu_mul(float gate_sum, float up_sum) {
+  const float gate = round_to<T>(gate_sum), up = round_to<T>(up_sum);
+  return gate / (1.0f + std::exp(-gate)) * up;
+}
+
+// Per-thread scratch, grown on demand and kept: no allocation per call once warm.
+template <typename V>
+V* scratch(std::vector<V>& buf, size_t n) {
+  if (buf.size() < n) buf.resize(n);
+  return buf.data();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Generic path
 
 // Eight floats, one AVX register; GCC/Clang vector extensions keep this portable.
 typedef float vec8 __attribute__((vector_size(32)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
-constexpr int ROW_BLOCK = 4;  // rows of one expert computed together, sharing weight loads
+constexpr int GENERIC_ROW_BLOCK = 4;  // rows of one expert computed together, sharing weight loads
 
 inline vec8 bits_to_float(u32x8 bits) {
   vec8 v;
@@ -71,20 +151,26 @@ struct Load16<c10::BFloat16> {
 
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")
-// out[r][n] = sum over k = 0, 1, ..., K-1 in that order of a[r][k] * wt[k][n] for the R rows and
-// the 16 * P columns from n0; wt is the weight transposed, [K, N]. Every term is one fused
-// multiply-add (this block is compiled with contraction on; the scalar tail of gemm_rows too), on
-// every code path. 2 * P vec8 accumulators per row: enough independent additions in flight to
-// hide their latency, few enough to stay in registers.
+// out[r][n] = sum over k of a[r][k] * wt[k][n] in PAIR ORDER, for the R rows and the 16 * P
+// columns from n0; wt is the weight transposed, [K, N]. Every term is one fused multiply-add (this
+// block is compiled with contraction on; the scalar tail of gemm_rows too), on every code path.
+// 2 * P vec8 accumulators per row: enough independent additions in flight to hide their latency,
+// few enough to stay in registers.
 template <int R, int P, typename W>
 inline void gemm_tile(const float* const* a, const W* wt, int64_t K, int64_t N, int64_t n0, float* const* out) {
   vec8 acc[R][2 * P] = {};
-  for (int64_t k = 0; k < K; ++k) {
+  auto term = [&](int64_t k) {
     vec8 w[2 * P];
     for (int p = 0; p < P; ++p) Load16<W>::load(wt + k * N + n0 + 16 * p, w[2 * p], w[2 * p + 1]);
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < 2 * P; ++v) acc[r][v] += w[v] * a[r][k];
+  };
+  int64_t k = 0;
+  for (; k + 1 < K; k += 2) {
+    term(k + 1);
+    term(k);
   }
+  if (k < K) term(k);
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p)
       for (int j = 0; j < 8; ++j) {
@@ -99,9 +185,8 @@ inline void gemm_tile(const float* const* a, const W* wt, int64_t K, int64_t N, 
       }
 }
 
-// out[r] = a[r] @ wt for R rows. Every element is summed in the same order on every code path
-// (wide tiles, narrow tiles, the scalar tail), so it does not depend on R, on the other rows or
-// on its tile.
+// out[r] = a[r] @ wt for R rows. Every element is summed in PAIR ORDER on every code path (wide
+// tiles, narrow tiles, the scalar tail), so it does not depend on R, on the other rows or on its tile.
 template <int R, typename W>
 void gemm_rows(const float* const* a, const W* wt, int64_t K, int64_t N, float* const* out) {
   constexpr int P = R == 1 ? 4 : R == 2 ? 2 : 1;
@@ -111,87 +196,305 @@ void gemm_rows(const float* const* a, const W* wt, int64_t K, int64_t N, float* 
   for (; n < N; ++n)
     for (int r = 0; r < R; ++r) {
       float acc = 0.0f;
-      for (int64_t k = 0; k < K; ++k) acc += static_cast<float>(wt[k * N + n]) * a[r][k];
+      int64_t k = 0;
+      for (; k + 1 < K; k += 2) {
+        acc += static_cast<float>(wt[(k + 1) * N + n]) * a[r][k + 1];
+        acc += static_cast<float>(wt[k * N + n]) * a[r][k];
+      }
+      if (k < K) acc += static_cast<float>(wt[k * N + n]) * a[r][k];
       out[r][n] = acc;
     }
 }
 
 #pragma GCC pop_options
 
-// Rounds through the activation dtype, as a GEMM in that dtype returns its result.
-template <typename T>
-inline float round_to(float v) {
-  return static_cast<float>(static_cast<T>(v));
-}
-
-// One block of up to ROW_BLOCK rows of one expert: GEMM1, SiLU(gate) * up, GEMM2. w13t is that
-// expert's [H, 2I], w2t its [I, H].
+// One block of R rows of one expert: GEMM1, SiLU(gate) * up, GEMM2, into out_rows[rows[r]]. w13t
+// is that expert's [H, 2I], w2t its [I, H].
 template <typename T, typename W, int R>
-void expert_block(const T* x, int64_t hidden, int64_t inter, const W* w13t, const W* w2t, const int64_t* tokens,
-                  const int64_t* rows, T* out_rows) {
-  std::vector<float> xs(R * hidden), gate_up(R * 2 * inter), act(R * inter), y(R * hidden);
+void generic_block(const T* x, int64_t hidden, int64_t inter, const W* w13t, const W* w2t, const int64_t* tokens,
+                   const int64_t* rows, T* out_rows) {
+  thread_local std::vector<float> buf;
+  float* xs = scratch(buf, R * (2 * hidden + 3 * inter));
+  float *gate_up = xs + R * hidden, *act = gate_up + R * 2 * inter, *y = act + R * inter;
   const float *xr[R], *ar[R];
   float *gr[R], *yr[R];
   for (int r = 0; r < R; ++r) {
     for (int64_t h = 0; h < hidden; ++h) xs[r * hidden + h] = static_cast<float>(x[tokens[r] * hidden + h]);
-    xr[r] = xs.data() + r * hidden;
-    gr[r] = gate_up.data() + r * 2 * inter;
-    ar[r] = act.data() + r * inter;
-    yr[r] = y.data() + r * hidden;
+    xr[r] = xs + r * hidden;
+    gr[r] = gate_up + r * 2 * inter;
+    ar[r] = act + r * inter;
+    yr[r] = y + r * hidden;
   }
   gemm_rows<R>(xr, w13t, hidden, 2 * inter, gr);
   for (int r = 0; r < R; ++r)
-    for (int64_t i = 0; i < inter; ++i) {
-      const float gate = round_to<T>(gr[r][i]), up = round_to<T>(gr[r][inter + i]);
-      act[r * inter + i] = round_to<T>(gate / (1.0f + std::exp(-gate)) * up);
-    }
+    for (int64_t i = 0; i < inter; ++i) act[r * inter + i] = round_to<T>(silu_mul<T>(gr[r][i], gr[r][inter + i]));
   gemm_rows<R>(ar, w2t, inter, hidden, yr);
   for (int r = 0; r < R; ++r)
     for (int64_t h = 0; h < hidden; ++h) out_rows[rows[r] * hidden + h] = static_cast<T>(yr[r][h]);
 }
 
-template <typename T, typename W>
-void expert_rows_impl(const at::Tensor& x, const int64_t* token, const int64_t* expert, int64_t num_rows,
-                      const at::Tensor& w13t, const at::Tensor& w2t, at::Tensor& out) {
-  const int64_t num_local = w13t.size(0), inter = w2t.size(1), hidden = x.size(1);
-  // Stable counting sort of the rows by expert: each expert sees its rows in the given order.
-  std::vector<int64_t> start(num_local + 1, 0);
-  for (int64_t r = 0; r < num_rows; ++r)
-    if (expert[r] >= 0) ++start[expert[r] + 1];
-  for (int64_t e = 0; e < num_local; ++e) start[e + 1] += start[e];
-  std::vector<int64_t> sorted(start[num_local]), sorted_token(start[num_local]);
-  std::vector<int64_t> fill(start.begin(), start.end() - 1);
-  for (int64_t r = 0; r < num_rows; ++r)
-    if (expert[r] >= 0) {
-      sorted[fill[expert[r]]] = r;
-      sorted_token[fill[expert[r]]++] = token[r];
-    }
-  struct Block {
-    int64_t expert, begin, size;
-  };
-  std::vector<Block> blocks;
-  for (int64_t e = 0; e < num_local; ++e)
-    for (int64_t b = start[e]; b < start[e + 1]; b += ROW_BLOCK)
-      blocks.push_back({e, b, std::min<int64_t>(ROW_BLOCK, start[e + 1] - b)});
+// ---------------------------------------------------------------------------------------------
+// AVX-512 BF16 path (compiled for those extensions whatever -march says; run only where CPUID
+// has them)
 
-  const T* xp = x.data_ptr<T>();
-  const W* w13p = w13t.data_ptr<W>();
-  const W* w2p = w2t.data_ptr<W>();
-  T* outp = out.data_ptr<T>();
-  at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) {
-      const Block& blk = blocks[i];
-      const W* a = w13p + blk.expert * hidden * 2 * inter;
-      const W* b = w2p + blk.expert * inter * hidden;
-      const int64_t* tok = sorted_token.data() + blk.begin;
-      const int64_t* rows = sorted.data() + blk.begin;
-      switch (blk.size) {
-        case 4: expert_block<T, W, 4>(xp, hidden, inter, a, b, tok, rows, outp); break;
-        case 3: expert_block<T, W, 3>(xp, hidden, inter, a, b, tok, rows, outp); break;
-        case 2: expert_block<T, W, 2>(xp, hidden, inter, a, b, tok, rows, outp); break;
-        default: expert_block<T, W, 1>(xp, hidden, inter, a, b, tok, rows, outp); break;
+#ifdef MOK_X86_64
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")
+
+constexpr int AVX512_ROW_BLOCK = 8;
+
+inline uint32_t load_u32(const uint16_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// The B operand of vdpbf16ps for 32 columns from n of weight rows k and k + 1: dword j holds the
+// pair (w[k][n'], w[k+1][n']) of one column n' (row k in the low half: the even term). `Tail`:
+// K is odd and this is row K - 1 alone (zeros for row K). `Masked`: only the columns of `m`.
+//
+// bf16 weights: two 64-byte loads and one unpack per vector, which leaves the columns in the lane
+// order of vpunpck{l,h}wd (v0: columns 0-3, 8-11, 16-19, 24-27; v1: the others); the tile puts
+// them back in order when it stores (`PERMUTED`).
+struct PairsBF16 {
+  static constexpr bool PERMUTED = true;
+  template <bool Tail, bool Masked>
+  static inline void load(const c10::BFloat16* k0, int64_t N, __mmask32 m, __m512i& v0, __m512i& v1) {
+    const __m512i a = Masked ? _mm512_maskz_loadu_epi16(m, k0) : _mm512_loadu_si512(k0);
+    const __m512i b =
+        Tail ? _mm512_setzero_si512() : Masked ? _mm512_maskz_loadu_epi16(m, k0 + N) : _mm512_loadu_si512(k0 + N);
+    v0 = _mm512_unpacklo_epi16(a, b);
+    v1 = _mm512_unpackhi_epi16(a, b);
+  }
+};
+
+// float32 weights, an exact upcast of bf16 (reference.py's contract): the bf16 of a float is its
+// top half, so a shift and a mask make the pairs, in column order.
+struct PairsF32 {
+  static constexpr bool PERMUTED = false;
+  template <bool Tail, bool Masked>
+  static inline void load(const float* k0, int64_t N, __mmask32 m, __m512i& v0, __m512i& v1) {
+    const __mmask16 m0 = static_cast<__mmask16>(m), m1 = static_cast<__mmask16>(m >> 16);
+    const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    const __m512i a0 = Masked ? _mm512_maskz_loadu_epi32(m0, k0) : _mm512_loadu_si512(k0);
+    const __m512i a1 = Masked ? _mm512_maskz_loadu_epi32(m1, k0 + 16) : _mm512_loadu_si512(k0 + 16);
+    __m512i b0 = _mm512_setzero_si512(), b1 = _mm512_setzero_si512();
+    if (!Tail) {
+      b0 = Masked ? _mm512_maskz_loadu_epi32(m0, k0 + N) : _mm512_loadu_si512(k0 + N);
+      b1 = Masked ? _mm512_maskz_loadu_epi32(m1, k0 + N + 16) : _mm512_loadu_si512(k0 + N + 16);
+    }
+    v0 = _mm512_or_si512(_mm512_and_si512(b0, top), _mm512_srli_epi32(a0, 16));
+    v1 = _mm512_or_si512(_mm512_and_si512(b1, top), _mm512_srli_epi32(a1, 16));
+  }
+};
+
+template <typename W>
+using Pairs = std::conditional_t<std::is_same_v<W, float>, PairsF32, PairsBF16>;
+
+// out[r][n] = sum over k of a[r][k] * wt[k][n] in PAIR ORDER (one vdpbf16ps per k-pair) for R rows
+// of bf16 bits a[r] and the 32 * C columns from n0 (those of `mask` if Masked). 2 * C accumulators
+// of 16 columns per row.
+template <int R, int C, bool Masked, typename W>
+inline void bf16_tile(const uint16_t* const* a, const W* wt, int64_t K, int64_t N, int64_t n0, __mmask32 mask,
+                      float* const* out) {
+  using L = Pairs<W>;
+  __m512 acc[R][2 * C];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 2 * C; ++v) acc[r][v] = _mm512_setzero_ps();
+  auto step = [&](const W* w, auto tail, const __m512i* av) {
+    for (int c = 0; c < C; ++c) {
+      __m512i v0, v1;
+      L::template load<decltype(tail)::value, Masked>(w + 32 * c, N, mask, v0, v1);
+      for (int r = 0; r < R; ++r) {
+        acc[r][2 * c] = _mm512_dpbf16_ps(acc[r][2 * c], (__m512bh)av[r], (__m512bh)v0);
+        acc[r][2 * c + 1] = _mm512_dpbf16_ps(acc[r][2 * c + 1], (__m512bh)av[r], (__m512bh)v1);
       }
     }
+  };
+  const W* w = wt + n0;
+  int64_t k = 0;
+  for (; k + 1 < K; k += 2, w += 2 * N) {
+    __m512i av[R];
+    for (int r = 0; r < R; ++r) av[r] = _mm512_set1_epi32(static_cast<int>(load_u32(a[r] + k)));
+    step(w, std::false_type{}, av);
+  }
+  if (k < K) {  // odd K: the pair (a[K-1], 0) x (w[K-1], 0); adding 0 * 0 leaves acc as it is
+    __m512i av[R];
+    for (int r = 0; r < R; ++r) av[r] = _mm512_set1_epi32(a[r][k]);
+    step(w, std::true_type{}, av);
+  }
+  const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      __m512 c0 = acc[r][2 * c], c1 = acc[r][2 * c + 1];
+      if (L::PERMUTED) {
+        c0 = _mm512_permutex2var_ps(acc[r][2 * c], lo, acc[r][2 * c + 1]);
+        c1 = _mm512_permutex2var_ps(acc[r][2 * c], hi, acc[r][2 * c + 1]);
+      }
+      float* o = out[r] + n0 + 32 * c;
+      if (Masked) {
+        _mm512_mask_storeu_ps(o, static_cast<__mmask16>(mask), c0);
+        _mm512_mask_storeu_ps(o + 16, static_cast<__mmask16>(mask >> 16), c1);
+      } else {
+        _mm512_storeu_ps(o, c0);
+        _mm512_storeu_ps(o + 16, c1);
+      }
+    }
+}
+
+// Tiles of 32 * C columns, C halving down to 1, then one masked tile for the last N % 32 columns.
+template <int R, int C, typename W>
+inline void bf16_tiles(const uint16_t* const* a, const W* wt, int64_t K, int64_t N, int64_t& n, float* const* out) {
+  for (; n + 32 * C <= N; n += 32 * C) bf16_tile<R, C, false>(a, wt, K, N, n, 0, out);
+  if constexpr (C > 1) bf16_tiles<R, C / 2>(a, wt, K, N, n, out);
+}
+
+template <int R, typename W>
+void bf16_gemm(const uint16_t* const* a, const W* wt, int64_t K, int64_t N, float* const* out) {
+  constexpr int C = R == 1 ? 8 : R == 2 ? 4 : R <= 4 ? 2 : 1;
+  int64_t n = 0;
+  bf16_tiles<R, C>(a, wt, K, N, n, out);
+  if (n < N) bf16_tile<R, 1, true>(a, wt, K, N, n, static_cast<__mmask32>((1ull << (N - n)) - 1), out);
+}
+
+// c10::BFloat16(float)'s rounding (to nearest even, NaN to 0x7FC0) on 16 floats.
+inline __m256i bf16_round(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
+                                        _mm512_set1_epi32(0x7FFF));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+// One block of R rows of one expert, bf16 activations: GEMM1 straight from x's rows, SiLU(gate) *
+// up, GEMM2, into out_rows[rows[r]].
+template <typename W, int R>
+void bf16_block(const c10::BFloat16* x, int64_t hidden, int64_t inter, const W* w13t, const W* w2t,
+                const int64_t* tokens, const int64_t* rows, c10::BFloat16* out_rows) {
+  thread_local std::vector<float> fbuf;
+  thread_local std::vector<uint16_t> hbuf;
+  float* gate_up = scratch(fbuf, R * (2 * inter + hidden));
+  float* y = gate_up + R * 2 * inter;
+  uint16_t* act = scratch(hbuf, R * inter);
+  const uint16_t *xr[R], *ar[R];
+  float *gr[R], *yr[R];
+  for (int r = 0; r < R; ++r) {
+    xr[r] = reinterpret_cast<const uint16_t*>(x + tokens[r] * hidden);
+    gr[r] = gate_up + r * 2 * inter;
+    ar[r] = act + r * inter;
+    yr[r] = y + r * hidden;
+  }
+  bf16_gemm<R>(xr, w13t, hidden, 2 * inter, gr);
+  for (int r = 0; r < R; ++r)
+    for (int64_t i = 0; i < inter; ++i)
+      act[r * inter + i] = c10::BFloat16(silu_mul<c10::BFloat16>(gr[r][i], gr[r][inter + i])).x;
+  bf16_gemm<R>(ar, w2t, inter, hidden, yr);
+  for (int r = 0; r < R; ++r) {
+    uint16_t* o = reinterpret_cast<uint16_t*>(out_rows + rows[r] * hidden);
+    int64_t h = 0;
+    for (; h + 16 <= hidden; h += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + h), bf16_round(_mm512_loadu_ps(yr[r] + h)));
+    for (; h < hidden; ++h) o[h] = c10::BFloat16(yr[r][h]).x;
+  }
+}
+
+#pragma GCC pop_options
+#endif  // MOK_X86_64
+
+// ---------------------------------------------------------------------------------------------
+// Rows to experts, in parallel
+
+struct Block {
+  int64_t expert, begin, size;
+};
+
+// Stable counting sort of the rows by local expert (each expert sees its rows in the given order),
+// cut into blocks of at most max_rows rows of one expert, as even as possible.
+struct RowPlan {
+  std::vector<int64_t> row, token;
+  std::vector<Block> blocks;
+
+  RowPlan(const int64_t* tokens, const int64_t* experts, int64_t num_rows, int64_t num_local, int64_t max_rows) {
+    std::vector<int64_t> start(num_local + 1, 0);
+    for (int64_t r = 0; r < num_rows; ++r)
+      if (experts[r] >= 0) ++start[experts[r] + 1];
+    for (int64_t e = 0; e < num_local; ++e) start[e + 1] += start[e];
+    row.resize(start[num_local]);
+    token.resize(start[num_local]);
+    std::vector<int64_t> fill(start.begin(), start.end() - 1);
+    for (int64_t r = 0; r < num_rows; ++r)
+      if (experts[r] >= 0) {
+        row[fill[experts[r]]] = r;
+        token[fill[experts[r]]++] = tokens[r];
+      }
+    for (int64_t e = 0; e < num_local; ++e) {
+      const int64_t n = start[e + 1] - start[e], count = (n + max_rows - 1) / max_rows;
+      for (int64_t b = 0, begin = start[e]; b < count; ++b) {
+        const int64_t size = n / count + (b < n % count);
+        blocks.push_back({e, begin, size});
+        begin += size;
+      }
+    }
+  }
+};
+
+// Runs fn(i) for i in [0, n) on torch's intra-op threads, each taking the next i when done (the
+// blocks differ in size); inline when one thread or one item. Which thread runs an item never
+// changes its result.
+template <typename Fn>
+void run_parallel(int64_t n, const Fn& fn) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  if (threads <= 1 || at::in_parallel_region()) {
+    for (int64_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) fn(i);
+  });
+}
+
+// Runs `count` blocks of rows through the experts: block(R, expert, tokens, rows) for R = 1..MaxR.
+template <int MaxR, typename Fn>
+void dispatch_rows(int64_t size, const Fn& fn) {
+  if constexpr (MaxR >= 1) {
+    if (size == MaxR) return fn(std::integral_constant<int, MaxR>{});
+    if constexpr (MaxR > 1) dispatch_rows<MaxR - 1>(size, fn);
+  }
+}
+
+template <typename T, typename W>
+void expert_rows_impl(const T* x, int64_t hidden, int64_t inter, const int64_t* token, const int64_t* expert,
+                      int64_t num_rows, const W* w13t, const W* w2t, int64_t num_local, T* out, Isa isa) {
+  // Rows routed to no local expert are zero.
+  for (int64_t r = 0; r < num_rows; ++r)
+    if (expert[r] < 0) std::fill(out + r * hidden, out + (r + 1) * hidden, T(0));
+#ifdef MOK_X86_64
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (isa == Isa::AVX512_BF16) {
+      const RowPlan plan(token, expert, num_rows, num_local, AVX512_ROW_BLOCK);
+      run_parallel(static_cast<int64_t>(plan.blocks.size()), [&](int64_t i) {
+        const Block& b = plan.blocks[i];
+        dispatch_rows<AVX512_ROW_BLOCK>(b.size, [&](auto R) {
+          bf16_block<W, decltype(R)::value>(x, hidden, inter, w13t + b.expert * hidden * 2 * inter,
+                                            w2t + b.expert * inter * hidden, plan.token.data() + b.begin,
+                                            plan.row.data() + b.begin, out);
+        });
+      });
+      return;
+    }
+  }
+#endif
+  const RowPlan plan(token, expert, num_rows, num_local, GENERIC_ROW_BLOCK);
+  run_parallel(static_cast<int64_t>(plan.blocks.size()), [&](int64_t i) {
+    const Block& b = plan.blocks[i];
+    dispatch_rows<GENERIC_ROW_BLOCK>(b.size, [&](auto R) {
+      generic_block<T, W, decltype(R)::value>(x, hidden, inter, w13t + b.expert * hidden * 2 * inter,
+                                              w2t + b.expert * inter * hidden, plan.token.data() + b.begin,
+                                              plan.row.data() + b.begin, out);
+    });
   });
 }
 
@@ -301,22 +604,27 @@ void check_fused_moe_args(const at::Tensor& x, const at::Tensor& w13, const at::
                       x.device().str());
 }
 
-}  // namespace
 
-// Runs the rows through their experts into out ([rows, H], zero-filled). The GEMMs read each
-// expert's weights transposed; weights that are already transposed views of contiguous
-// [E, H, 2I] and [E, I, H] tensors (what the vLLM glue keeps) are used in place, others are
-// transposed on every call.
+// The expert output of every row into out ([rows, H] in x's dtype; zero where the row's expert is
+// -1). The GEMMs read each expert's weights transposed; weights that are already transposed views of
+// contiguous [E, H, 2I] and [E, I, H] tensors (what the vLLM glue keeps) are used in place, others
+// are transposed on every call.
 void run_rows(const at::Tensor& x, const int64_t* token, const int64_t* expert, int64_t num_rows,
-              const at::Tensor& w13, const at::Tensor& w2, at::Tensor& out) {
+              const at::Tensor& w13, const at::Tensor& w2, void* out) {
   check_weights(x, w13, w2);
-  at::Tensor w13t = w13.transpose(1, 2).contiguous(), w2t = w2.transpose(1, 2).contiguous();
+  const at::Tensor w13t = w13.transpose(1, 2).contiguous(), w2t = w2.transpose(1, 2).contiguous();
+  const int64_t hidden = x.size(1), inter = w2.size(2), num_local = w13.size(0);
+  const Isa isa = active_isa();
   dispatch_dtype(x.scalar_type(), "kittens CPU kernel", [&](auto tag) {
     using T = decltype(tag);
+    const T* xp = x.data_ptr<T>();
+    T* op = static_cast<T*>(out);
     if (w13t.scalar_type() == at::kFloat)
-      expert_rows_impl<T, float>(x, token, expert, num_rows, w13t, w2t, out);
+      expert_rows_impl<T, float>(xp, hidden, inter, token, expert, num_rows, w13t.data_ptr<float>(),
+                                 w2t.data_ptr<float>(), num_local, op, isa);
     else
-      expert_rows_impl<T, T>(x, token, expert, num_rows, w13t, w2t, out);
+      expert_rows_impl<T, T>(xp, hidden, inter, token, expert, num_rows, w13t.data_ptr<T>(), w2t.data_ptr<T>(),
+                             num_local, op, isa);
   });
 }
 
@@ -340,9 +648,28 @@ at::Tensor expert_rows(const at::Tensor& x_in, const at::Tensor& row_token_in, c
     TORCH_CHECK_INDEX(expert[r] >= -1 && expert[r] < w13.size(0), "expert_rows: row ", r, " has local expert ",
                       expert[r], " outside [-1, ", w13.size(0), ")");
   }
-  at::Tensor out = at::zeros({num_rows, x.size(1)}, x.options());
-  run_rows(x, token, expert, num_rows, w13, w2, out);
+  at::Tensor out = at::empty({num_rows, x.size(1)}, x.options());
+  run_rows(x, token, expert, num_rows, w13, w2, out.data_ptr());
   return out;
+}
+
+// out[t] = sum over k, in k order, in fp32, of rows[t, k] * weights[t, k] (a multiply, then an add:
+// this file is compiled without contraction), rounded to T.
+template <typename T>
+void combine_rows(const T* rows, const float* weights, int64_t tokens, int64_t top_k, int64_t hidden, T* out) {
+  at::parallel_for(0, tokens, 16, [&](int64_t lo, int64_t hi) {
+    thread_local std::vector<float> buf;
+    float* acc = scratch(buf, hidden);
+    for (int64_t t = lo; t < hi; ++t) {
+      std::fill(acc, acc + hidden, 0.0f);
+      for (int64_t k = 0; k < top_k; ++k) {
+        const T* row = rows + (t * top_k + k) * hidden;
+        const float w = weights[t * top_k + k];
+        for (int64_t h = 0; h < hidden; ++h) acc[h] += static_cast<float>(row[h]) * w;
+      }
+      for (int64_t h = 0; h < hidden; ++h) out[t * hidden + h] = static_cast<T>(acc[h]);
+    }
+  });
 }
 
 // sum over k, in k order, in fp32, of rows[t, k] * weights[t, k]; [T, H] in rows' dtype.
@@ -354,22 +681,8 @@ at::Tensor combine_topk(const at::Tensor& rows_in, const at::Tensor& weights_in)
   const int64_t tokens = rows.size(0), top_k = rows.size(1), hidden = rows.size(2);
   at::Tensor out = at::empty({tokens, hidden}, rows.options());
   dispatch_dtype(rows.scalar_type(), "combine_topk", [&](auto tag) {
-    using scalar_t = decltype(tag);
-    const scalar_t* rp = rows.data_ptr<scalar_t>();
-    const float* wp = weights.data_ptr<float>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, tokens, 16, [&](int64_t lo, int64_t hi) {
-      std::vector<float> acc(hidden);
-      for (int64_t t = lo; t < hi; ++t) {
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t k = 0; k < top_k; ++k) {
-          const scalar_t* row = rp + (t * top_k + k) * hidden;
-          const float w = wp[t * top_k + k];
-          for (int64_t h = 0; h < hidden; ++h) acc[h] += static_cast<float>(row[h]) * w;
-        }
-        for (int64_t h = 0; h < hidden; ++h) op[t * hidden + h] = static_cast<scalar_t>(acc[h]);
-      }
-    });
+    using T = decltype(tag);
+    combine_rows<T>(rows.data_ptr<T>(), weights.data_ptr<float>(), tokens, top_k, hidden, out.data_ptr<T>());
   });
   return out;
 }
@@ -386,22 +699,26 @@ std::optional<std::pair<int64_t, int64_t>> outside(const int64_t* v, int64_t n, 
 // mok_serve::fused_moe on CPU tensors (reference.fused_moe_reference's contract): rows (t, k) in
 // token order, each through the local expert of topk_ids[t, k], then the fixed-order combine.
 at::Tensor fused_moe(const at::Tensor& x_in, const at::Tensor& w13, const at::Tensor& w2,
-                     const at::Tensor& topk_weights, const at::Tensor& topk_ids_in,
+                     const at::Tensor& topk_weights_in, const at::Tensor& topk_ids_in,
                      const c10::optional<at::Tensor>& expert_map_in, std::string_view activation) {
-  check_fused_moe_args(x_in, w13, w2, topk_weights, topk_ids_in, expert_map_in, activation);
-  at::Tensor x = x_in.contiguous(), topk_ids = topk_ids_in.to(at::kLong).contiguous();
+  check_fused_moe_args(x_in, w13, w2, topk_weights_in, topk_ids_in, expert_map_in, activation);
+  const at::Tensor x = x_in.contiguous(), topk_weights = topk_weights_in.to(at::kFloat).contiguous();
+  const at::Tensor topk_ids = topk_ids_in.contiguous();
   const int64_t tokens = topk_ids.size(0), top_k = topk_ids.size(1), num_local = w13.size(0);
+  const int64_t num_rows = tokens * top_k, hidden = x.size(1);
+  std::vector<int64_t> token(num_rows), expert(num_rows);
+  if (topk_ids.scalar_type() == at::kInt)
+    std::copy_n(topk_ids.data_ptr<int32_t>(), num_rows, expert.begin());
+  else
+    std::copy_n(topk_ids.data_ptr<int64_t>(), num_rows, expert.begin());
   at::Tensor expert_map;
   if (expert_map_in.has_value()) expert_map = expert_map_in->to(at::kLong).contiguous();
   const int64_t num_global = expert_map.defined() ? expert_map.numel() : num_local;
-  const int64_t* ids = topk_ids.data_ptr<int64_t>();
-  const int64_t num_rows = tokens * top_k;
   // check_fused_moe_args' value checks (reference.check_id_values), here where the ids are read
   // anyway, with the same messages (kernels/bad_ids.py).
-  if (const auto bad = outside(ids, num_rows, -1, num_global))
+  if (const auto bad = outside(expert.data(), num_rows, -1, num_global))
     TORCH_CHECK_VALUE(false, "topk_ids out of range: found ids in [", bad->first, ", ", bad->second,
                       "] outside the valid range [-1, ", num_global, ") (-1: no expert)");
-  std::vector<int64_t> token(num_rows), expert(ids, ids + num_rows);
   for (int64_t r = 0; r < num_rows; ++r) token[r] = r / top_k;
   if (expert_map.defined()) {
     const int64_t* map = expert_map.data_ptr<int64_t>();
@@ -411,14 +728,49 @@ at::Tensor fused_moe(const at::Tensor& x_in, const at::Tensor& w13, const at::Te
     for (int64_t& e : expert)
       if (e >= 0) e = map[e];  // -1 (unrouted) stays -1: the row contributes nothing
   }
-  at::Tensor rows = at::zeros({num_rows, x.size(1)}, x.options());
-  run_rows(x, token.data(), expert.data(), num_rows, w13, w2, rows);
-  return combine_topk(rows.view({tokens, top_k, x.size(1)}), topk_weights);
+  at::Tensor out = at::empty({tokens, hidden}, x.options());
+  dispatch_dtype(x.scalar_type(), "kittens CPU kernel", [&](auto tag) {
+    using T = decltype(tag);
+    thread_local std::vector<T> rows_buf;
+    T* rows = scratch(rows_buf, num_rows * hidden);
+    run_rows(x, token.data(), expert.data(), num_rows, w13, w2, rows);
+    combine_rows<T>(rows, topk_weights.data_ptr<float>(), tokens, top_k, hidden, out.data_ptr<T>());
+  });
+  return out;
 }
+
+// The ISA of the GEMMs in this process: "generic" or "avx512_bf16". `name` "auto" picks the best
+// this CPU has; "" changes nothing. cpu_moe.py calls it once at load (MOK_SERVE_CPU_ISA); tests
+// call it to run both ISAs.
+std::string set_isa(std::string_view name) {
+  if (!name.empty()) {
+    Isa isa = best_isa();
+    if (name != "auto") {
+      const auto it = std::find(ISA_NAMES.begin(), ISA_NAMES.end(), name);
+      TORCH_CHECK_VALUE(it != ISA_NAMES.end(), "kittens CPU kernel: unknown ISA ", py(name), "; expected 'auto' or one of ",
+                        py_tuple(ISA_NAMES));
+      isa = static_cast<Isa>(it - ISA_NAMES.begin());
+      TORCH_CHECK_VALUE(cpu_supports(isa), "kittens CPU kernel: this CPU does not support ISA ", py(name));
+    }
+    isa_slot().store(static_cast<int>(isa));
+  }
+  return std::string(ISA_NAMES[static_cast<int>(active_isa())]);
+}
+
+std::vector<std::string> supported_isas() {
+  std::vector<std::string> out;
+  for (size_t i = 0; i < ISA_NAMES.size(); ++i)
+    if (cpu_supports(static_cast<Isa>(i))) out.emplace_back(ISA_NAMES[i]);
+  return out;
+}
+
+}  // namespace
 
 TORCH_LIBRARY(mok_serve_cpu, m) {
   m.def("expert_rows(Tensor x, Tensor row_token, Tensor row_expert, Tensor w13, Tensor w2) -> Tensor");
   m.def("combine_topk(Tensor rows, Tensor weights) -> Tensor");
+  m.def("set_isa(str name) -> str", &set_isa);
+  m.def("supported_isas() -> str[]", &supported_isas);
 }
 
 TORCH_LIBRARY_IMPL(mok_serve_cpu, CPU, m) {

@@ -31,6 +31,11 @@ logger = logging.getLogger(__name__)
 
 # cpu_timer.cpp: mok_serve.vllm.timing's per-layer timer op, built into the same extension.
 _SOURCES = [Path(__file__).with_name(n) for n in ("cpu_moe.cpp", "cpu_timer.cpp")]
+# -fopenmp: at::parallel_for is a header template that runs its body serially unless the extension
+# itself is compiled with OpenMP. The extension's libgomp.so.1 is the one torch already loaded (same
+# soname), so it shares torch's thread pool and torch.set_num_threads.
+_CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
 _built: bool | None = None
 # Redispatching with this key set calls the extension's CPU kernel of an op whatever its inputs' devices.
 _CPU_KERNEL = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
@@ -44,7 +49,7 @@ def _build_name() -> str:
         flags = next(line for line in open("/proc/cpuinfo") if line.startswith(("flags", "Features")))
     except (OSError, StopIteration):
         flags = ""
-    digest = hashlib.sha1(f"{platform.machine()} {flags}".encode())
+    digest = hashlib.sha1(f"{platform.machine()} {flags} {_CFLAGS} {_LDFLAGS}".encode())
     for source in _SOURCES:
         digest.update(source.read_bytes())
     return f"mok_serve_cpu_{digest.hexdigest()[:10]}"
@@ -72,7 +77,8 @@ def _load(name: str, build_dir: Path, timeout_s: float) -> None:
         cpp_extension.load(
             name=name,
             sources=[str(p) for p in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-ffp-contract=off"],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=_LDFLAGS,
             build_directory=str(build_dir),
             is_python_module=False,
         )
