@@ -27,6 +27,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .bunching import BURST_GAP_S, DISTORTED_SHARE, MIN_TOKENS_PER_ARRIVAL
+
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 BACKEND_ALIASES = {"stock": "auto", "kittens": "kittens"}
 
@@ -201,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-SERVE_DESCRIPTION = """\
+SERVE_DESCRIPTION = f"""\
 Compare MoE backends over HTTP with the same seeded workload on each server.
 
 Without --url it starts each server of --backends in turn (same model, same --server-args, free
@@ -219,9 +221,15 @@ per request; per run request throughput, output and total tokens/s, mean/p50/p90
 Per-layer MoE timing: GET /v1/kittens/layers after each run (POST .../reset before it), when the
 server has the route.
 
+Bunched streams: a request whose tokens reached the client in bursts ({MIN_TOKENS_PER_ARRIVAL:g} or more tokens per
+arrival on average; chunks less than {BURST_GAP_S * 1e3:g} ms apart are one arrival) is counted as bunched, as its
+TTFT, TPOT and ITL time the bursts, not the server. In a run where bunched requests are {DISTORTED_SHARE:.0%} or
+more, those figures (and peak tok/s) are marked ⚠ as distorted and their ratios are withheld.
+
 Results folder: results.json (every request, every summary, the per-layer JSON), report.md
-(side-by-side tables, candidate/baseline ratios, what went wrong), throughput.png, latency.png
-and layers.png (when per-layer timing was available). A one-screen summary is printed at the end.
+(side-by-side tables, candidate/baseline ratios, what went wrong, bunched streams),
+throughput.png, latency.png and layers.png (when per-layer timing was available). A one-screen
+summary is printed at the end.
 
 Exit status: 0 when every request of every run succeeded; 1 when any request failed, a server
 did not start or died (the report says what happened); 2 for bad arguments."""

@@ -1,6 +1,6 @@
 """A tiny fake OpenAI-style completions server on loopback, for testing mok-loadtest's handling of
 failures without vLLM: it streams ``max_tokens`` chunks with a fixed gap, and can fail requests,
-die mid-stream or stall.
+die mid-stream, stall or bunch a stream (all its tokens at once at its end).
 
 A request with ``"stream": false`` gets one JSON answer instead, after the same delays, with
 ``logprobs`` (tokens as ``token_id:N`` under ``return_tokens_as_token_ids``) that are a function
@@ -8,7 +8,7 @@ of the prompt alone, as a batch-invariant server's greedy output is; ``--batch-v
 them depend on how many requests are in flight, as a batch-variant server's may.
 
     python -m mok_serve.loadtest.fake_server --port 8123 [--fail-every 3] [--die-after 10]
-        [--stall-after 5] [--token-gap 0.002] [--root PATH] [--layers]
+        [--stall-after 5] [--bunch-every 4 [--bunch-merged]] [--token-gap 0.002] [--root PATH] [--layers]
         [--batch-variance none|logprobs|tokens]
 """
 
@@ -81,20 +81,31 @@ def make_app(args) -> web.Application:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         await asyncio.sleep(args.ttft)
+        if args.bunch_every and n % args.bunch_every == 0:
+            await bunched_tokens(resp, n, max_tokens)
+        else:
+            await spread_tokens(resp, n, max_tokens)
+        usage = {"prompt_tokens": prompt_len, "completion_tokens": max_tokens, "total_tokens": prompt_len + max_tokens}
+        await resp.write(f"data: {json.dumps({'id': f'cmpl-{n}', 'choices': [], 'usage': usage})}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def spread_tokens(resp, n, max_tokens):
         for i in range(max_tokens):
             if args.die_after and n > args.die_after and i == max_tokens // 2:
                 sys.stdout.flush()
                 os._exit(3)  # the server dies mid-stream
             if args.stall_after and n > args.stall_after and i == max_tokens // 2:
                 await asyncio.sleep(3600)
-            chunk = {"id": f"cmpl-{n}", "object": "text_completion", "created": int(time.time()),
-                     "model": "fake-model", "choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]}
-            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await resp.write(sse_chunk(n, f" t{i}"))
             await asyncio.sleep(args.token_gap)
-        usage = {"prompt_tokens": prompt_len, "completion_tokens": max_tokens, "total_tokens": prompt_len + max_tokens}
-        await resp.write(f"data: {json.dumps({'id': f'cmpl-{n}', 'choices': [], 'usage': usage})}\n\n".encode())
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
+
+    async def bunched_tokens(resp, n, max_tokens):
+        # All tokens held back for as long as streaming them would take, then sent in one write:
+        # what a client sees of a server whose HTTP front end fell behind (vLLM's on busy cores).
+        await asyncio.sleep(args.token_gap * max_tokens)
+        texts = [f" t{i}" for i in range(max_tokens)]
+        await resp.write(b"".join(sse_chunk(n, t) for t in (["".join(texts)] if args.bunch_merged else texts)))
 
     async def whole_completion(body, n, prompt, prompt_len, max_tokens, inflight):
         await asyncio.sleep(args.ttft + args.token_gap * max_tokens / 2)
@@ -137,6 +148,12 @@ def make_app(args) -> web.Application:
     return app
 
 
+def sse_chunk(n: int, text: str) -> bytes:
+    chunk = {"id": f"cmpl-{n}", "object": "text_completion", "created": int(time.time()),
+             "model": "fake-model", "choices": [{"index": 0, "text": text, "finish_reason": None}]}
+    return f"data: {json.dumps(chunk)}\n\n".encode()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m mok_serve.loadtest.fake_server", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -144,6 +161,10 @@ def main(argv=None) -> int:
     p.add_argument("--fail-every", type=int, default=0, help="answer HTTP 500 to every N-th request")
     p.add_argument("--die-after", type=int, default=0, help="exit mid-stream in the first request after N")
     p.add_argument("--stall-after", type=int, default=0, help="stop sending mid-stream in requests after N")
+    p.add_argument("--bunch-every", type=int, default=0,
+                   help="stream every N-th request bunched: all its tokens in one write at its end")
+    p.add_argument("--bunch-merged", action="store_true",
+                   help="with --bunch-every: those tokens as one chunk (as vLLM merges outputs it could not send)")
     p.add_argument("--token-gap", type=float, default=0.002, help="seconds between streamed tokens")
     p.add_argument("--ttft", type=float, default=0.005, help="seconds before the first token")
     p.add_argument("--root", default="", help="the 'root' reported by /v1/models (a tokenizer path)")

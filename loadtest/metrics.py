@@ -19,6 +19,9 @@ The definitions follow ``vllm/benchmarks/serve.py`` (``calculate_metrics``) and
   interpolation); failed requests are counted, never averaged in. Where vLLM reports 0 for a
   statistic of an empty set, this module reports ``None``.
 - peak output tokens/s: vLLM's one-second bucket maximum (token times rebuilt from TTFT + ITLs).
+
+Beyond vLLM's figures: which requests were *bunched* (tokens in bursts, see ``bunching``), per
+request and counted per run, since their TTFT, TPOT and ITL do not time the server's tokens.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+
+from . import bunching
 
 PERCENTILES = (50.0, 90.0, 99.0)
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -60,6 +65,8 @@ class RequestRecord:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["tpot"] = self.tpot
+        d["arrivals"] = bunching.arrivals(self.itl) if self.success else 0
+        d["bunched"] = bunching.is_bunched(self.success, self.output_tokens, self.itl)
         return d
 
     @classmethod
@@ -144,6 +151,7 @@ def summarize(records: list[RequestRecord], duration_s: float, percentiles=PERCE
         key = first_line(r.error) or "unknown error"
         errors[key] = errors.get(key, 0) + 1
     summary["errors"] = errors
+    summary["bunching"] = bunching.summarize(ok)
     return summary
 
 

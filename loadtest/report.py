@@ -8,7 +8,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+from . import bunching
 from .metrics import ratio
+
+WARN = "⚠"  # marks a figure distorted by bunched streams (see ``bunching``)
 
 # (label, summary path, format, better) for the headline and detailed tables.
 HEADLINE = [
@@ -53,6 +56,34 @@ def fmt_ratio(r: float | None) -> str:
     return "—" if r is None else f"{r:.2f}x"
 
 
+def is_distorted(run: dict[str, Any] | None, path: tuple[str, ...]) -> bool:
+    """Whether the figure at ``path`` of ``run`` is distorted by the run's bunched streams."""
+    return path[0] in bunching.DISTORTED_KEYS and bunching.distorted(run)
+
+
+def value_cell(run: dict[str, Any] | None, path: tuple[str, ...], f: str) -> str:
+    v = get(run["summary"], path) if run else None
+    return fmt(v, f) + (f" {WARN}" if v is not None and is_distorted(run, path) else "")
+
+
+def ratio_cell(base_run: dict[str, Any] | None, cand_run: dict[str, Any] | None, path: tuple[str, ...]) -> str:
+    """candidate / baseline, or 'withheld' when either figure is distorted by bunched streams."""
+    if is_distorted(base_run, path) or is_distorted(cand_run, path):
+        return f"withheld {WARN}"
+    vals = [get(r["summary"], path) if r and not r.get("skipped") else None for r in (base_run, cand_run)]
+    return fmt_ratio(ratio(vals[1], vals[0]))
+
+
+def bunched_text(targets: list[dict[str, Any]], name: str) -> str:
+    """'kittens 39 of 48' for each target with bunched requests in run ``name``; '0' if none."""
+    parts = []
+    for t in targets:
+        b = bunching.of_run(run_of(t, name))
+        if b and b["bunched"]:
+            parts.append(f"{t['name']} {bunching.count_text(b)}" + (f" {WARN}" if b["distorted"] else ""))
+    return ", ".join(parts) or "0"
+
+
 def run_names(results: dict[str, Any]) -> list[str]:
     names: list[str] = []
     for t in results["targets"]:
@@ -88,11 +119,19 @@ def compute_ratios(results: dict[str, Any]) -> list[dict[str, Any]]:
         return out
     for name in run_names(results):
         b, c = run_of(base, name), run_of(cand, name)
-        row: dict[str, Any] = {"run": name, "baseline": base["name"], "candidate": cand["name"]}
+        row: dict[str, Any] = {"run": name, "baseline": base["name"], "candidate": cand["name"], "withheld": []}
         for label, path, _, _ in DETAIL:
+            if is_distorted(b, path) or is_distorted(c, path):
+                row["withheld"].append(label)  # a ratio of distorted figures says nothing
+                row[label] = None
+                continue
             bv = get(b["summary"], path) if b else None
             cv = get(c["summary"], path) if c else None
             row[label] = ratio(cv, bv)
+        if row["withheld"]:
+            row["withheld_because"] = "; ".join(
+                f"{t['name']}: {bunching.count_text(bunching.of_run(r))} requests bunched"
+                for t, r in ((base, b), (cand, c)) if bunching.distorted(r))
         out.append(row)
     return out
 
@@ -130,18 +169,15 @@ def headline_table(results: dict[str, Any]) -> str:
         header += [f"{t['name']} MoE ms/layer" for t in targets]
         if base and cand:
             header.append(f"{cand['name']}/{base['name']}")
-    header.append("errors")
+    header += ["bunched", "errors"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name in run_names(results):
         row = [name]
+        runs = [run_of(t, name) for t in targets]
         for label, path, f, _ in HEADLINE:
-            vals = []
-            for t in targets:
-                r = run_of(t, name)
-                vals.append(get(r["summary"], path) if r and not r.get("skipped") else None)
-            row += [fmt(v, f) for v in vals]
+            row += [value_cell(r, path, f) for r in runs]
             if base and cand:
-                row.append(fmt_ratio(ratio(vals[1], vals[0])))
+                row.append(ratio_cell(runs[0], runs[1], path))
         if with_layers:
             vals = [layer_mean(run_of(t, name)) for t in targets]
             row += [fmt(v, "{:.3f}") for v in vals]
@@ -156,7 +192,7 @@ def headline_table(results: dict[str, Any]) -> str:
                 errs.append(f"{t['name']}: skipped")
             elif r["summary"].get("failed"):
                 errs.append(f"{t['name']}: {r['summary']['failed']}")
-        row.append(", ".join(errs) or "0")
+        row += [bunched_text(targets, name), ", ".join(errs) or "0"]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -186,11 +222,14 @@ def detail_table(results: dict[str, Any], name: str) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     runs = [run_of(t, name) for t in targets]
     for label, path, f, _ in DETAIL:
-        vals = [get(r["summary"], path) if r else None for r in runs]
-        row = [label] + [fmt(v, f) for v in vals]
+        row = [label] + [value_cell(r, path, f) for r in runs]
         if base and cand:
-            row.append(fmt_ratio(ratio(vals[1], vals[0])) if _ratioable(label) else "")
+            row.append(ratio_cell(runs[0], runs[1], path) if _ratioable(label) else "")
         lines.append("| " + " | ".join(row) + " |")
+        if label == "failed":
+            counts = [bunching.of_run(r) for r in runs]
+            row = ["bunched requests"] + [bunching.count_text(b) if b else "—" for b in counts]
+            lines.append("| " + " | ".join(row + ([""] if base and cand else [])) + " |")
     return "\n".join(lines)
 
 
@@ -249,6 +288,11 @@ def write_markdown(results: dict[str, Any], folder: Path, plots: list[Path]) -> 
     out.append("")
     out.append(headline_table(results))
     out.append("")
+    if any(bunching.distorted(r) for t in results["targets"] for r in t.get("runs", [])):
+        out.append(f"{WARN} distorted by bunched streams (tokens that reached the client in bursts; the bunched "
+                   "column counts those requests): the ratios of these figures are withheld. See "
+                   "[Bunched streams](#bunched-streams).")
+        out.append("")
     problems = []
     for t in results["targets"]:
         for e in t.get("events", []):
@@ -256,6 +300,8 @@ def write_markdown(results: dict[str, Any], folder: Path, plots: list[Path]) -> 
         for r in t.get("runs", []):
             for n in r.get("notes", []):
                 problems.append(f"- {t['name']} `{r['spec']['name']}`: {n}")
+            if b := bunching_line(r):
+                problems.append(f"- {t['name']} `{r['spec']['name']}`: {b}")
             if r.get("skipped"):
                 problems.append(f"- {t['name']} `{r['spec']['name']}`: skipped ({r['skipped']})")
             errors = r["summary"].get("errors") or {}
@@ -282,6 +328,7 @@ def write_markdown(results: dict[str, Any], folder: Path, plots: list[Path]) -> 
             out.append("")
             out.append(lt)
             out.append("")
+    out += bunching_section(results)
     avail = {t["name"]: _layers_state(t) for t in results["targets"]}
     out.append("## Per-layer MoE timing")
     out.append("")
@@ -298,6 +345,31 @@ def write_markdown(results: dict[str, Any], folder: Path, plots: list[Path]) -> 
     path = folder / "report.md"
     path.write_text("\n".join(out))
     return path
+
+
+def bunching_line(run: dict[str, Any]) -> str | None:
+    """What bunched streams did to a run, in words; None when none was bunched."""
+    b = bunching.of_run(run)
+    if not b or not b["bunched"]:
+        return None
+    text = f"**{bunching.count_text(b)} requests bunched** (tokens in bursts)"
+    if b["distorted"]:
+        return f"{text}: {bunching.DISTORTED_NAMES} distorted {WARN}, their ratios withheld"
+    return f"{text}: under {bunching.DISTORTED_SHARE:.0%} of the run, figures kept"
+
+
+def bunching_section(results: dict[str, Any]) -> list[str]:
+    out = ["## Bunched streams", "", bunching.RULE_TEXT, ""]
+    out += ["| run | " + " | ".join(t["name"] for t in results["targets"]) + " |",
+            "|" + "---|" * (len(results["targets"]) + 1)]
+    for n in run_names(results):
+        cells = []
+        for t in results["targets"]:
+            b = bunching.of_run(run_of(t, n))
+            cells.append("—" if b is None else bunching.count_text(b) + (f" {WARN}" if b["distorted"] else ""))  # — skipped
+        out.append(f"| {n} | " + " | ".join(cells) + " |")
+    return out + ["", "Counts: bunched of the completed requests with two or more tokens; results.json has "
+                  "`bunched` and `arrivals` per request.", ""]
 
 
 def _layers_state(target: dict[str, Any]) -> str:
@@ -455,6 +527,9 @@ def console_summary(results: dict[str, Any], folder: Path, exit_code: int) -> st
             first = next((e for r in t.get("runs", []) for e in (r["summary"].get("errors") or {})), None)
             if first:
                 lines.append(f"  first error: {first}")
+        for r in t.get("runs", []):
+            if b := bunching_line(r):
+                lines.append(f"! {t['name']} {r['spec']['name']}: {b.replace('**', '')}")
         lines.append(f"  {t['name']}: per-layer MoE timing {_layers_state(t)}")
     lines.append(f"results: {folder}/ (report.md, results.json, *.png)")
     lines.append("status: " + ("OK" if exit_code == 0 else f"FAILED (exit {exit_code})"))

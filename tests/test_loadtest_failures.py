@@ -1,5 +1,6 @@
-"""mok-loadtest against a fake loopback server that fails requests, dies mid-run or stalls: the
-report counts the errors and says what happened, the tool exits non-zero and does not hang."""
+"""mok-loadtest against a fake loopback server that fails requests, dies mid-run, stalls or bunches
+streams: the report counts the errors and says what happened, the tool exits non-zero and does not
+hang; bunched streams are counted and their distorted figures kept out of the comparison."""
 
 import json
 import subprocess
@@ -137,3 +138,32 @@ def test_server_that_cannot_start(tmp_path):
     assert "no_such_backend" in target["server_log_tail"]
     assert target["runs"][0]["skipped"] == "server did not start"
     assert "server did not start" in report
+
+
+def test_bunched_streams_are_detected(fake_server, tmp_path):
+    """A server streaming tokens 10 ms apart against one that sends every third stream's tokens in
+    one write at its end, and one that sends every second stream as one merged chunk."""
+    gap = ["--token-gap", "0.01"]
+    _, spread = fake_server(*gap)
+    _, in_one_write = fake_server(*gap, "--bunch-every", "3")
+    _, merged = fake_server(*gap, "--bunch-every", "2", "--bunch-merged")
+    proc, results, report, _ = run_tool(
+        tmp_path, "--url", f"stock={spread}", "--url", f"kittens={in_one_write}", "--url", f"merged={merged}",
+        "--concurrency", "2", "--request-rate", "", "--num-requests", "12", "--warmup", "0",
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr  # bunching is reported, not a failure
+    runs = {t["name"]: t["runs"][0] for t in results["targets"]}
+    assert [runs[n]["summary"]["bunching"]["bunched"] for n in ("stock", "kittens", "merged")] == [0, 4, 6]
+    assert not runs["stock"]["summary"]["bunching"]["distorted"] and runs["kittens"]["summary"]["bunching"]["distorted"]
+    assert all(r["arrivals"] > 8 for r in runs["stock"]["records"])  # 16 tokens, each on its own
+    for name in ("kittens", "merged"):
+        bunched = [r for r in runs[name]["records"] if r["bunched"]]
+        assert all(r["output_tokens"] == 16 and r["ttft"] > 0.9 * r["latency"] for r in bunched), name
+        assert all(not r["bunched"] and r["arrivals"] > 8 for r in runs[name]["records"] if r not in bunched)
+    assert all(r["itl"] == [] for r in runs["merged"]["records"] if r["bunched"])  # one chunk, 16 tokens
+    (ratios,) = results["ratios"]
+    assert ratios["TTFT mean ms"] is None and ratios["output tok/s"] is not None
+    assert ratios["withheld_because"] == "kittens: 4 of 12 requests bunched"
+    row = next(line for line in report.splitlines() if line.startswith("| c=2 |"))
+    assert "withheld ⚠" in row and "kittens 4 of 12 ⚠, merged 6 of 12 ⚠" in row
+    assert "! kittens c=2: 4 of 12 requests bunched" in proc.stdout

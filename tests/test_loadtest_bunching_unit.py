@@ -1,0 +1,125 @@
+"""mok-loadtest without servers: the bunched-stream rule, how the report flags distorted figures
+and withholds their ratios."""
+
+import pytest
+
+from mok_serve.loadtest import bunching, cli, report
+from mok_serve.loadtest.metrics import RequestRecord, summarize
+
+SPREAD_GAP = 0.005  # a server step
+READ_GAP = 0.00002  # chunks parsed from one network read
+
+
+def record(i, itl, output_tokens=16, ttft=0.02, success=True):
+    return RequestRecord(index=i, prompt_len=16, expected_output_len=16, success=success, output_tokens=output_tokens,
+                         ttft=ttft, itl=list(itl), latency=ttft + sum(itl), start_time=100.0 + i)
+
+
+def test_a_request_is_bunched_at_two_or_more_tokens_per_arrival():
+    def bunched(itl, tokens=16, **kw):
+        return bunching.is_bunched(kw.get("success", True), tokens, itl)
+
+    assert bunching.arrivals([SPREAD_GAP] * 15) == 16 and not bunched([SPREAD_GAP] * 15)
+    assert bunching.arrivals([]) == 1 and bunched([])  # 16 tokens in one chunk (merged by the server)
+    assert bunching.arrivals([READ_GAP] * 15) == 1 and bunched([READ_GAP] * 15)  # 16 chunks in one read
+    assert bunched([SPREAD_GAP] * 3)  # 16 tokens in 4 chunks
+    # The gap threshold: 0.5 ms apart is a new arrival, anything closer the same one.
+    assert bunching.arrivals([0.00049, 0.0005, 0.0006]) == 3
+    # 8 arrivals of 16 tokens is bunched, 9 is not: a final burst of 9 tokens after 7 spread ones
+    # (more than half of them at the end) is, 8 after 8 is not.
+    assert bunched([SPREAD_GAP] * 7 + [READ_GAP] * 8)
+    assert not bunched([SPREAD_GAP] * 8 + [READ_GAP] * 7)
+    assert bunched([READ_GAP, SPREAD_GAP] * 7 + [READ_GAP])  # pairs all along: ITL p50 ~0
+    # One-token requests have nothing to bunch; failed requests are not judged.
+    assert not bunched([], tokens=1) and not bunched([], tokens=16, success=False)
+    assert bunched([], tokens=2)
+
+
+def test_a_run_is_distorted_from_one_percent_of_bunched_requests():
+    spread = [SPREAD_GAP] * 15
+    one_of_48 = summarize([record(0, [])] + [record(i, spread) for i in range(1, 48)], 10.0)["bunching"]
+    assert one_of_48 == {"bunched": 1, "checked": 48, "share": 1 / 48, "distorted": True}
+    one_of_150 = summarize([record(0, [])] + [record(i, spread) for i in range(1, 150)], 10.0)["bunching"]
+    assert one_of_150["bunched"] == 1 and not one_of_150["distorted"]  # 0.67%
+    failed = record(1, [], success=False)
+    failed.error = "boom"
+    clean = summarize([record(0, spread), failed, record(2, [], output_tokens=1)], 1.0)["bunching"]
+    assert clean == {"bunched": 0, "checked": 1, "share": 0.0, "distorted": False}
+    d = record(3, []).to_dict()
+    assert d["bunched"] is True and d["arrivals"] == 1
+
+
+def run(name, records, rate=None, concurrency=1):
+    return {"spec": {"name": name, "rate": rate, "concurrency": concurrency}, "notes": [],
+            "records": [r.to_dict() for r in records], "summary": summarize(records, 5.0)}
+
+
+def two_servers(kittens_bunched=2, n=48):
+    spread = [SPREAD_GAP] * 15
+    stock = [record(i, spread) for i in range(n)]
+    # A bunched request: TTFT = the whole request, all 16 tokens in one read at its end.
+    kittens = [record(i, [READ_GAP] * 15, ttft=0.1) for i in range(kittens_bunched)]
+    kittens += [record(i, spread) for i in range(kittens_bunched, n)]
+    targets = [{"name": name, "events": [], "runs": [run("c=1", recs), run("rate=8", stock, rate=8.0, concurrency=None)]}
+               for name, recs in (("stock", stock), ("kittens", kittens))]
+    results = {"config": {"baseline": "stock", "workload_description": "w"}, "targets": targets}
+    results["ratios"] = report.compute_ratios(results)
+    return results
+
+
+def cells(table, run_name):
+    row = next(line for line in table.splitlines() if line.startswith(f"| {run_name} |"))
+    return [c.strip() for c in row.strip("|").split("|")]
+
+
+def test_headline_withholds_ratios_of_distorted_figures():
+    results = two_servers()
+    table = report.headline_table(results)
+    header = cells(table, "run")
+    c1, rate = cells(table, "c=1"), cells(table, "rate=8")
+    col = {h: i for i, h in enumerate(header) if h != "kittens/stock"}
+    ratio_after = {h: i + 1 for h, i in col.items()}
+    assert c1[ratio_after["kittens output tok/s"]].endswith("x")  # throughput is not distorted
+    for metric in ("mean TTFT ms", "mean TPOT ms"):
+        assert c1[ratio_after[f"kittens {metric}"]] == "withheld ⚠"
+        assert c1[col[f"kittens {metric}"]].endswith(" ⚠") and "⚠" not in c1[col[f"stock {metric}"]]
+        assert rate[ratio_after[f"kittens {metric}"]] == "1.00x"  # the clean run keeps its ratio
+    assert c1[col["bunched"]] == "kittens 2 of 48 ⚠" and rate[col["bunched"]] == "0"
+    ratios = {r["run"]: r for r in results["ratios"]}
+    assert ratios["c=1"]["TTFT mean ms"] is None and ratios["c=1"]["ITL p99 ms"] is None
+    assert "TPOT p50 ms" in ratios["c=1"]["withheld"] and "E2EL mean ms" not in ratios["c=1"]["withheld"]
+    assert ratios["c=1"]["withheld_because"] == "kittens: 2 of 48 requests bunched"
+    assert ratios["c=1"]["output tok/s"] == pytest.approx(1.0, rel=0.05)
+    assert ratios["rate=8"]["withheld"] == [] and ratios["rate=8"]["TTFT mean ms"] == pytest.approx(1.0)
+
+
+def test_report_and_summary_count_bunched_requests(tmp_path):
+    results = two_servers()
+    detail = report.detail_table(results, "c=1")
+    assert "| bunched requests | 0 of 48 | 2 of 48 |  |" in detail
+    assert cells(detail, "TTFT p50 ms")[2:] == [cells(detail, "TTFT p50 ms")[2].split()[0] + " ⚠", "withheld ⚠"]
+    assert cells(detail, "E2EL mean ms")[3].endswith("x") and cells(detail, "output tok/s")[3].endswith("x")
+    md = report.write_markdown(results, tmp_path, []).read_text()
+    assert "- kittens `c=1`: **2 of 48 requests bunched** (tokens in bursts): TTFT, TPOT, ITL distorted ⚠" in md
+    assert "⚠ distorted by bunched streams" in md
+    rule = md.split("## Bunched streams")[1]
+    assert "2 or more tokens per arrival" in rule and "less than 0.5 ms apart" in rule and "at least 1%" in rule
+    assert "| c=1 | 0 of 48 | 2 of 48 ⚠ |" in rule and "| rate=8 | 0 of 48 | 0 of 48 |" in rule
+    text = report.console_summary(results, tmp_path, 0)
+    assert "! kittens c=1: 2 of 48 requests bunched (tokens in bursts): TTFT, TPOT, ITL distorted" in text
+    assert "stock c=1" not in text and "rate=8: " not in text
+
+
+def test_a_clean_comparison_has_no_warning(tmp_path):
+    results = two_servers(kittens_bunched=0)
+    assert "⚠" not in report.headline_table(results) and "⚠" not in report.console_summary(results, tmp_path, 0)
+    assert "What happened\n\nEvery request succeeded" in report.write_markdown(results, tmp_path, []).read_text()
+
+
+def test_serve_help_states_the_bunching_rule(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert ("(2 or more tokens per arrival on average; chunks less than 0.5 ms apart are one arrival) is counted as "
+            "bunched") in text
+    assert "In a run where bunched requests are 1% or more, those figures (and peak tok/s) are marked ⚠" in text
