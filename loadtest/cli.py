@@ -228,8 +228,9 @@ more, those figures (and peak tok/s) are marked ⚠ as distorted and their ratio
 
 Results folder: results.json (every request, every summary, the per-layer JSON), report.md
 (side-by-side tables, candidate/baseline ratios, what went wrong, bunched streams),
-throughput.png, latency.png and layers.png (when per-layer timing was available). A one-screen
-summary is printed at the end.
+throughput.png, latency.png (TTFT, TPOT, ITL, E2E percentiles against concurrency and request
+rate) and layers.png (when per-layer timing was available). A one-screen summary is printed at
+the end.
 
 Exit status: 0 when every request of every run succeeded; 1 when any request failed, a server
 did not start or died (the report says what happened); 2 for bad arguments."""
@@ -443,6 +444,7 @@ def exit_code_of(results: dict[str, Any]) -> int:
 
 def serve_main(args, argv: list[str]) -> int:
     from . import client, report
+    from .plots import write_plots
 
     if args.url:
         try:
@@ -523,7 +525,7 @@ def serve_main(args, argv: list[str]) -> int:
     plots: list[Path] = []
     if args.plots:
         try:
-            plots = report.write_plots(results, folder)
+            plots = write_plots(results, folder)
         except Exception as e:  # a plot must not hide the measurements
             results.setdefault("plot_error", f"{type(e).__name__}: {e}")
     if results.get("plot_error"):

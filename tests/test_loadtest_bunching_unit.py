@@ -1,9 +1,9 @@
 """mok-loadtest without servers: the bunched-stream rule, how the report flags distorted figures
-and withholds their ratios."""
+and withholds their ratios, and what the plots draw."""
 
 import pytest
 
-from mok_serve.loadtest import bunching, cli, report
+from mok_serve.loadtest import bunching, cli, layers, plots, report
 from mok_serve.loadtest.metrics import RequestRecord, summarize
 
 SPREAD_GAP = 0.005  # a server step
@@ -123,3 +123,66 @@ def test_serve_help_states_the_bunching_rule(capsys):
     assert ("(2 or more tokens per arrival on average; chunks less than 0.5 ms apart are one arrival) is counted as "
             "bunched") in text
     assert "In a run where bunched requests are 1% or more, those figures (and peak tok/s) are marked ⚠" in text
+
+
+def fake_layers(mean_us):
+    doc = {"layers": [{"layer": f"model.layers.{i}.mlp.experts", "rank": 0, "calls": 10,
+                       "latency_us": {"mean": mean_us + 10 * i, "p50": mean_us}} for i in range(2)]}
+    return {"available": True, "parsed": layers.parse_layers(doc)}
+
+
+def test_latency_plot_has_tpot_and_the_poisson_run():
+    results = two_servers()
+    fig = plots.latency_figure(results)
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles == [f"{m} vs {x}" for m in ("TTFT", "TPOT", "ITL", "E2E latency")
+                      for x in ("max concurrency", "request rate")]
+    tpot_rate = fig.axes[3]
+    assert fig.axes[2].get_ylabel() == "TPOT ms" and tpot_rate.get_xlabel() == "request rate (Poisson, req/s)"
+    lines = [line for line in tpot_rate.lines if line.get_linestyle() == "-"]  # p50 of each server
+    stock_p50 = results["targets"][0]["runs"][1]["summary"]["tpot"]["p50_ms"]
+    assert [list(line.get_ydata()) for line in lines] == [[stock_p50], [stock_p50]]
+    assert {line.get_marker() for line in lines} == {"o", "s"}
+    # The distorted kittens c=1 run is ringed in red in the TTFT/TPOT/ITL panels, not for E2E.
+    rings = [[line for line in ax.lines if line.get_markeredgecolor() == "red"] for ax in fig.axes]
+    assert [len(r) for r in rings] == [3, 0, 3, 0, 3, 0, 0, 0]
+    assert "run distorted by bunched streams (⚠ in report.md)" in [t.get_text() for t in fig.legends[0].get_texts()]
+
+
+def test_one_rate_point_per_server_does_not_hide_the_other():
+    fig = plots.throughput_figure(two_servers())
+    rate_panel = fig.axes[1]
+    assert rate_panel.get_xlabel() == "request rate (Poisson, req/s)" and rate_panel.get_legend() is None
+    (stock,), (kittens,) = [line.get_xydata() for line in rate_panel.lines]
+    fig.canvas.draw()
+    a, b = rate_panel.transData.transform([stock, kittens])
+    marker_px = rate_panel.lines[0].get_markersize() * fig.dpi / 72
+    assert abs(a[0] - b[0]) > marker_px  # side by side (same throughput, same rate)
+    assert rate_panel.lines[0].get_marker() != rate_panel.lines[1].get_marker()
+
+
+@pytest.mark.parametrize("field,label", [
+    ("latency_us.mean", "mean time per MoE layer call (µs)"),
+    ("latency_ms.p99", "p99 time per MoE layer call (ms)"),
+    ("mean_us", "mean time per MoE layer call (µs)"),
+    ("phases_ms.experts.median", "median time per MoE layer call (ms)"),
+    ("elapsed", "time per MoE layer call (elapsed)"),
+])
+def test_layer_time_label(field, label):
+    assert plots.layer_time_label(field) == label
+
+
+def test_layers_plot_label_and_legend_off_the_bars():
+    results = two_servers()
+    for t, mean in zip(results["targets"], (100.0, 140.0)):
+        for r in t["runs"]:
+            r["layers"] = fake_layers(mean)
+    fig = plots.layers_figure(results)
+    assert [ax.get_ylabel() for ax in fig.axes] == ["mean time per MoE layer call (µs)"] * 2
+    assert all(ax.get_legend() is None for ax in fig.axes)
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == ["stock", "kittens"]
+    fig.canvas.draw()
+    box = legend.get_window_extent()
+    bars = [p.get_window_extent() for ax in fig.axes for p in ax.patches]
+    assert len(bars) == 8 and not any(box.overlaps(b) for b in bars)

@@ -1,0 +1,229 @@
+"""The PNG plots of ``mok-loadtest serve``: throughput.png, latency.png and layers.png.
+
+Each figure comes from a function that returns it (tests read its lines, labels and legends);
+``write_plots`` saves them. Every server has its own colour and marker shape, and its points are
+shifted sideways by a fraction of an octave, so that two servers' equal points (one Poisson rate
+gives one point each) do not hide each other. Legends sit above the panels, off the data.
+Points of a run whose per-token figures are distorted by bunched streams are ringed in red.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from . import layers as layers_mod
+from .report import WARN, get, is_distorted, run_names, run_of
+
+COLORS = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"]
+MARKERS = ["o", "s", "^", "D", "v"]
+DODGE_OCTAVES = 0.06  # sideways shift between neighbouring servers' points on the log2 x axes
+PERCENTILE_STYLES = {"p50": "-", "p90": "--", "p99": ":"}
+LATENCY_METRICS = [("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E latency")]
+X_AXES = {"concurrency": "max concurrency", "rate": "request rate (Poisson, req/s)"}
+DISTORTED_LABEL = f"run distorted by bunched streams ({WARN} in report.md)"
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def styles(targets: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
+    return {t["name"]: {"color": COLORS[i % len(COLORS)], "marker": MARKERS[i % len(MARKERS)]}
+            for i, t in enumerate(targets)}
+
+
+def x_of(run: dict[str, Any], kind: str) -> float | None:
+    """The run's x on a 'concurrency' (fixed concurrency runs) or a 'rate' (Poisson runs) axis."""
+    spec = run["spec"]
+    if kind == "rate":
+        return spec["rate"]
+    return spec["concurrency"] if spec["rate"] is None else None
+
+
+def series(target: dict[str, Any], path: tuple[str, ...], kind: str) -> list[tuple[float, float, bool]]:
+    """(x, value, distorted) of the target's completed runs on the ``kind`` axis, sorted by x."""
+    points = []
+    for run in target.get("runs", []):
+        x, y = x_of(run, kind), get(run["summary"], path)
+        if x is not None and y is not None and not run.get("skipped") and run["summary"]["completed"]:
+            points.append((x, y, is_distorted(run, path)))
+    return sorted(points)
+
+
+def kinds_of(results: dict[str, Any]) -> list[str]:
+    """The x axes the runs need: 'concurrency' and/or 'rate'."""
+    runs = [r for t in results["targets"] for r in t.get("runs", [])]
+    return [k for k in X_AXES if any(x_of(r, k) is not None for r in runs)]
+
+
+def _dodge(x: float, j: int, n: int) -> float:
+    return x * 2 ** (DODGE_OCTAVES * (j - (n - 1) / 2))
+
+
+def _plot(ax, points, j: int, n: int, style: dict[str, str], linestyle: str = "-") -> None:
+    xs = [_dodge(x, j, n) for x, _, _ in points]
+    ax.plot(xs, [y for _, y, _ in points], linestyle=linestyle, markersize=6, **style)
+    bad = [(x, y) for x, (_, y, d) in zip(xs, points) if d]
+    if bad:
+        ax.plot(*zip(*bad), linestyle="none", marker="o", markersize=13, markerfacecolor="none",
+                markeredgecolor="red", markeredgewidth=1.5)
+
+
+def _x_axis(ax, results: dict[str, Any], kind: str) -> None:
+    """log2 x axis with a tick at each run's value and room either side for the shifted points."""
+    values = sorted({x for t in results["targets"] for r in t.get("runs", []) if (x := x_of(r, kind)) is not None})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(values)
+    ax.set_xticklabels([f"{v:g}" for v in values])
+    ax.minorticks_off()
+    ax.set_xlim(values[0] / 1.5, values[-1] * 1.5)
+    ax.set_xlabel(X_AXES[kind])
+
+
+def _y_from_zero(axes) -> None:
+    """y from 0 to a tenth above the highest point of ``axes`` (a row sharing its y scale), so
+    that no point sits on the frame."""
+    tops = [max(line.get_ydata()) for ax in axes for line in ax.lines if len(line.get_ydata())]
+    if tops:
+        for ax in axes:
+            ax.set_ylim(0, max(tops) * 1.1 or 1.0)
+
+
+def _legend(fig, results: dict[str, Any], percentiles: bool = False, distorted: bool = False) -> None:
+    """One legend for the figure, above its panels: servers, and the line styles and rings used."""
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], label=name, **style) for name, style in styles(results["targets"]).items()]
+    if percentiles:
+        handles += [Line2D([], [], color="gray", linestyle=ls, label=p) for p, ls in PERCENTILE_STYLES.items()]
+    if distorted:
+        handles.append(Line2D([], [], linestyle="none", marker="o", markersize=11, markerfacecolor="none",
+                              markeredgecolor="red", label=DISTORTED_LABEL))
+    fig.legend(handles=handles, loc="upper center", ncol=len(handles), bbox_to_anchor=(0.5, 1.0), frameon=False)
+
+
+def throughput_figure(results: dict[str, Any]):
+    """Output tokens/s against concurrency and against the Poisson request rate."""
+    kinds = kinds_of(results)
+    if not kinds:
+        return None
+    plt = _pyplot()
+    targets = results["targets"]
+    fig, axes = plt.subplots(1, len(kinds), figsize=(6 * len(kinds), 4.6), squeeze=False)
+    for ax, kind in zip(axes[0], kinds):
+        for j, t in enumerate(targets):
+            _plot(ax, series(t, ("output_throughput",), kind), j, len(targets), styles(targets)[t["name"]])
+        _x_axis(ax, results, kind)
+        ax.set_ylabel("output tokens/s")
+        ax.set_title(f"Output tokens/s vs {X_AXES[kind].split(' (')[0]}")
+        _y_from_zero([ax])
+        ax.grid(alpha=0.3)
+    _legend(fig, results)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    return fig
+
+
+def latency_figure(results: dict[str, Any]):
+    """TTFT, TPOT, ITL and E2E latency percentiles: a row per metric, a column per x axis
+    (concurrency sweep, Poisson runs), rows sharing their y scale."""
+    kinds = kinds_of(results)
+    if not kinds:
+        return None
+    plt = _pyplot()
+    targets = results["targets"]
+    fig, axes = plt.subplots(len(LATENCY_METRICS), len(kinds), figsize=(5.5 * len(kinds) + 1, 13), squeeze=False,
+                             sharey="row", width_ratios=[3, 2] if len(kinds) == 2 else None)
+    any_distorted = False
+    for row, (metric, title) in zip(axes, LATENCY_METRICS):
+        for ax, kind in zip(row, kinds):
+            for j, t in enumerate(targets):
+                for pct, ls in PERCENTILE_STYLES.items():
+                    points = series(t, (metric, f"{pct}_ms"), kind)
+                    any_distorted |= any(d for _, _, d in points)
+                    _plot(ax, points, j, len(targets), styles(targets)[t["name"]], ls)
+            _x_axis(ax, results, kind)
+            if ax is row[0]:  # the row shares its y scale
+                ax.set_ylabel(f"{title} ms")
+            ax.set_title(f"{title} vs {X_AXES[kind].split(' (')[0]}")
+            ax.grid(alpha=0.3)
+        _y_from_zero(row)
+    _legend(fig, results, percentiles=True, distorted=any_distorted)
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    return fig
+
+
+UNITS = {"ns": "ns", "us": "µs", "ms": "ms", "s": "s"}
+STATS = {"mean": "mean", "avg": "mean", "median": "median", "p50": "median", "p90": "p90", "p99": "p99",
+         "max": "max", "min": "min"}
+
+
+def layer_time_label(field: str) -> str:
+    """A y-axis label for a per-layer time field: 'latency_us.mean' -> 'mean time per MoE layer
+    call (µs)'; the raw name only for the parts it cannot read."""
+    words = re.split(r"[._]", field.lower())
+    unit = next((UNITS[w] for w in reversed(words) if w in UNITS), None)
+    stat = next((STATS[w] for w in reversed(words) if w in STATS), None)
+    label = f"{stat + ' ' if stat else ''}time per MoE layer call"
+    return f"{label} ({unit})" if unit else f"{label} ({field})"
+
+
+def layers_figure(results: dict[str, Any]):
+    """Per-layer MoE time from GET /v1/kittens/layers: a panel per run, a bar per layer (and rank)
+    and server."""
+    panels = []
+    for name in run_names(results):
+        per_target = {}
+        for t in results["targets"]:
+            parsed = ((run_of(t, name) or {}).get("layers") or {}).get("parsed")
+            if parsed and layers_mod.headline_field(parsed):
+                per_target[t["name"]] = parsed
+        if per_target:
+            panels.append((name, per_target))
+    if not panels:
+        return None
+    plt = _pyplot()
+    look = styles(results["targets"])
+    nl = max(len(p) for _, pt in panels for p in pt.values())
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(4.0, 0.9 * nl + 2) * len(panels), 5.0), squeeze=False)
+    fields = set()
+    for ax, (name, per_target) in zip(axes[0], panels):
+        width = 0.8 / len(per_target)
+        for j, (tname, parsed) in enumerate(per_target.items()):
+            key = layers_mod.headline_field(parsed)
+            fields.add(key)
+            ax.bar([i + j * width for i in range(len(parsed))], [l["fields"][key] for l in parsed], width=width,
+                   label=tname, color=look[tname]["color"])
+            ax.set_ylabel(layer_time_label(key))
+        labels = [l["label"].replace(".mlp.experts", "").replace("model.layers.", "L") for l in parsed]
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(parsed))])
+        ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
+        ax.set_title(f"run {name}")
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle(f"Per-layer MoE time (GET /v1/kittens/layers, field {', '.join(sorted(fields))})", y=0.99)
+    bars = {}  # one legend entry per server, whichever panels it has bars in
+    for ax in axes[0]:
+        bars.update({n: h for h, n in zip(*ax.get_legend_handles_labels())})
+    fig.legend(bars.values(), bars.keys(), loc="upper center", ncol=len(bars), bbox_to_anchor=(0.5, 0.94),
+               frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.89))
+    return fig
+
+
+def write_plots(results: dict[str, Any], folder: Path) -> list[Path]:
+    plt = _pyplot()
+    paths = []
+    for name, make in (("throughput", throughput_figure), ("latency", latency_figure), ("layers", layers_figure)):
+        fig = make(results)
+        if fig is None:
+            continue
+        paths.append(folder / f"{name}.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
