@@ -71,7 +71,8 @@ class ServerProcess:
     """``with ServerProcess(["--moe-backend", "kittens"]) as server: server.url ...``
 
     ``args`` are `mok-serve` arguments (a model, or none for the embedded default, and any
-    `vllm serve` option). The log goes to ``log_path`` (a temporary file by default).
+    `vllm serve` option). ``command`` runs another server command with them instead, such as
+    ``["vllm", "serve"]``. The log goes to ``log_path`` (a temporary file by default).
     """
 
     def __init__(
@@ -83,8 +84,10 @@ class ServerProcess:
         log_path: str | os.PathLike | None = None,
         startup_timeout: float = 600.0,
         cpus: set[int] | None = None,
+        command: list[str] | None = None,
     ):
         self.args = list(args)
+        self.command = list(command or [sys.executable, "-m", "mok_serve.cli"])
         self.port = port or free_port()
         self.env = {**os.environ, **CPU_ENV, **(env or {})}
         self.log_path = Path(log_path or f"/tmp/mok-serve-{self.port}.log")
@@ -101,7 +104,7 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def start(self) -> "ServerProcess":
-        cmd = [sys.executable, "-m", "mok_serve.cli", *self.args, "--host", HOST, "--port", str(self.port)]
+        cmd = [*self.command, *self.args, "--host", HOST, "--port", str(self.port)]
         self._log_file = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             cmd, stdout=self._log_file, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,

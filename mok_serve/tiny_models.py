@@ -671,9 +671,14 @@ def build_tiny_model(
 # --------------------------------------------------------------------------- CLI
 
 
+def served_name(family: str) -> str:
+    """The name ``mok-serve`` serves a tiny model under when it picks one itself (no MODEL given)."""
+    return f"tiny-{family}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="mok-serve tiny",
+        prog="mok-serve build-tiny",
         description="Build the embedded tiny random-weight MoE models (offline, deterministic).",
     )
     parser.add_argument("--family", default=DEFAULT_FAMILY, choices=sorted(FAMILIES))

@@ -7,6 +7,9 @@ vLLM loads endpoint plugins in the API server process only, and only when they a
   ``stats.py``), read from the workers with ``collective_rpc`` through the worker extension
   ``mok_serve.vllm.timing.KittensWorkerExtension``.
 - ``POST /v1/kittens/layers/reset``: clears the window (Prometheus counters keep counting).
+
+Both count from the moment the server starts serving: the calls vLLM makes while it starts
+(memory profiling, warm-up, CUDA-graph capture) are forgotten by ``init_state``.
 - ``GET /kittens``: a live page (static HTML + canvas, no external assets).
 - ``/metrics`` (vLLM's): our ``kittens:*`` histograms, counters and gauges, refreshed from the
   workers just before each scrape.
@@ -31,6 +34,7 @@ from .stats import KittensCollector, merge
 NAME = "kittens"
 STATS_RPC = "kittens_layer_stats"
 RESET_RPC = "kittens_layer_reset"
+RESTART_RPC = "kittens_layer_restart"
 RPC_TIMEOUT_S = 30.0
 
 _collector: KittensCollector | None = None
@@ -96,8 +100,8 @@ class KittensEndpointPlugin:
         self.engine_client = engine_client
         if engine_client is None:
             return
-        try:  # start the window when serving starts, not with the start-up profiling runs
-            await engine_client.collective_rpc(RESET_RPC, timeout=RPC_TIMEOUT_S)
+        try:  # count from here, for both routes: not vLLM's start-up profiling and warm-up calls
+            await engine_client.collective_rpc(RESTART_RPC, timeout=RPC_TIMEOUT_S)
         except Exception:
             pass  # no worker extension: the routes answer 503
         if _collector is not None:

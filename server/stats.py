@@ -30,8 +30,10 @@ Schema of ``GET /v1/kittens/layers`` (``object: "kittens.layers"``)::
       }]
     }
 
-``calls``/``tokens``/``expert_tokens`` count every MoE call since the window started (a reset
-or start-up); latency statistics cover the sampled calls among them (every ``sample_every``-th
+``calls``/``tokens``/``expert_tokens`` count every MoE call since the window started (a reset,
+or the start of serving: vLLM's start-up calls, memory profiling, warm-up and CUDA-graph capture,
+are counted by neither this document nor ``/metrics``, whose counters run from the start of
+serving and are not cleared by a reset); latency statistics cover the sampled calls among them (every ``sample_every``-th
 call, at most the last ``window_calls``). The span timed is the MoE method after routing:
 prepare/dispatch, experts, finalize/combine (``phases_ms`` splits it under kittens EP). Each rank
 counts the top-k ids it sees; with expert parallelism and one DP rank every rank sees every

@@ -132,6 +132,30 @@ def test_layers_list_every_moe_layer_with_growing_counts(server, model_dir):
         assert ra["imbalance"] >= 1.0 and ra["experts_class"] == "KittensExperts"
 
 
+def metric_values(metrics: str, name: str) -> dict[str, float]:
+    """``{layer: value}`` of one rank-0 ``kittens:*`` series in a Prometheus text page."""
+    out = {}
+    for line in metrics.splitlines():
+        if line.startswith(name + "{") and 'rank="0"' in line:
+            out[line.split('layer="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_layers_and_metrics_count_the_same_calls(server):
+    # Runs before any reset (the test below): until then both count every call since serving
+    # started, and neither the start-up profiling call nor the warm-up.
+    greedy(server, PROMPTS[2], max_tokens=4)
+    with http(server) as c:
+        metrics = c.get("/metrics").text
+        doc = c.get("/v1/kittens/layers").json()
+    calls = metric_values(metrics, "kittens:moe_layer_calls_total")
+    tokens = metric_values(metrics, "kittens:moe_layer_tokens_total")
+    assert calls and len(calls) == len(doc["layers"])
+    for layer in doc["layers"]:
+        (r,) = layer["ranks"]
+        assert (calls[str(layer["index"])], tokens[str(layer["index"])]) == (r["calls"], r["tokens"])
+
+
 def test_reset_clears_the_window_and_metrics_keep_counting(server):
     greedy(server, PROMPTS[1], max_tokens=4)
     with http(server) as c:

@@ -62,6 +62,16 @@ def test_cpu_timer_survives_torch_compile(registry):
     again = timing.snapshot({"rank": 0})["layers"][0]
     assert again["rank_stats"]["calls"] == 0 and again["rank_stats"]["latency_ms"] is None
     assert again["cumulative"]["calls"] == 12  # Prometheus counters keep counting
+    compiled(x, ids)
+    timing.restart()  # serving starts: neither the window nor the counters keep start-up calls
+    fresh = timing.snapshot({"rank": 0})["layers"][0]
+    assert fresh["rank_stats"]["calls"] == 0 and fresh["rank_stats"]["expert_tokens"] == [0] * 8
+    cum = fresh["cumulative"]
+    assert cum["calls"] == cum["tokens"] == 0 and cum["expert_tokens"] == [0] * 8
+    assert all(sum(h["buckets"]) == h["sum_ns"] == 0 for h in cum["histograms"].values())
+    compiled(x, ids)
+    after = timing.snapshot({"rank": 0})["layers"][0]
+    assert after["rank_stats"]["calls"] == after["cumulative"]["calls"] == 1
 
 
 def test_merge_and_prometheus(registry):

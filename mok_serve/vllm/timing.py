@@ -197,7 +197,18 @@ class LayerTimer:
             },
         }
 
+    def restart(self) -> None:
+        """Forget every call so far, window and cumulative counters alike: called once when the
+        server starts serving, so that neither ``/v1/kittens/layers`` nor ``/metrics`` counts vLLM's
+        start-up calls (memory profiling, warm-up, CUDA-graph capture)."""
+        self.buf.zero_()
+        self.counts.zero_()
+        self.base_calls = self.base_tokens = 0
+        self.base_counts = [0] * self.num_experts
+        self.window_started = time.time()
+
     def reset(self) -> None:
+        """Start a new window; the cumulative counters (Prometheus) keep counting."""
         state = self.read()
         counts = self.counts.tolist()
         self.base_calls += state["calls"]
@@ -346,6 +357,12 @@ def reset() -> int:
     return len(REGISTRY.layers)
 
 
+def restart() -> int:
+    for t in REGISTRY.layers:
+        t.restart()
+    return len(REGISTRY.layers)
+
+
 class KittensWorkerExtension:
     """Mixed into vLLM's worker (``--worker-extension-cls``); the API server calls these
     methods on every rank with ``engine_client.collective_rpc``."""
@@ -377,6 +394,9 @@ class KittensWorkerExtension:
 
     def kittens_layer_reset(self) -> int:
         return reset()
+
+    def kittens_layer_restart(self) -> int:
+        return restart()
 
 
 def _pid() -> int:
