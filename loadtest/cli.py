@@ -24,6 +24,7 @@ import os
 import platform
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -195,7 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="results folder (default: ./mok-loadtest-results/<date-time>)",
     )
     g.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNG plots")
-    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    g.add_argument(
+        "--no-progress", dest="progress", action="store_false",
+        help="no progress bar (it counts measured requests; its ETA is their pace while runs are under way, "
+        "plus one server start per server not started yet)",
+    )
 
     for name, (module, what) in FORWARDED.items():
         f = sub.add_parser(name, help=f"{what} (forwards its arguments to mok_serve.loadtest.{module})", add_help=False)
@@ -292,29 +297,70 @@ def _workloads(args, specs, vocab, dataset, tokenizer=None) -> dict[str, tuple[l
 
 
 class _Progress:
-    def __init__(self, total: int, enabled: bool):
+    """A bar of measured requests (total: requests per run x runs x servers) with its own ETA.
+
+    tqdm's ETA divides by a moving average of the time between updates, so the minutes of a
+    server start before the next run's first request read as the pace of one request ("4:32:11"
+    after the first server on 2 cores). This ETA counts only the time while a run's measured
+    requests are in flight, and adds one start, at the mean start time seen, per server not
+    started yet. ``clock`` is for tests."""
+
+    def __init__(self, total: int, enabled: bool, servers: int = 0, clock=time.monotonic):
+        self.total, self.clock, self.servers_left = total, clock, servers
+        self.done = self.failed = 0
+        self.busy_s = 0.0  # time in measured runs
+        self.since: float | None = None  # last run start or finished request
+        self.start_times: list[float] = []
+        self.starting_at = 0.0
         self.bar = None
         if enabled:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, unit="req", dynamic_ncols=True, file=sys.stderr)
-        self.failed = 0
+            self.bar = tqdm(total=total, unit="req", dynamic_ncols=True, file=sys.stderr,
+                            bar_format="{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} req [{elapsed}{postfix}]")
 
     def set(self, text: str) -> None:
         if self.bar is not None:
             self.bar.set_description(text)
 
-    def __call__(self, run_name: str, rec, n_skipped: int = 0) -> None:
-        if rec is not None and not rec.success:
-            self.failed += 1
-        if self.bar is not None:
-            self.bar.update(1)
-            if self.failed:
-                self.bar.set_postfix(failed=self.failed)
+    def starting(self, name: str) -> None:
+        """A server starts: its start time counts for those of the servers after it."""
+        self.servers_left -= 1
+        self.starting_at = self.clock()
+        self.set(f"{name}: starting server")
 
-    def skip(self, n: int) -> None:
+    def started(self) -> None:
+        self.start_times.append(self.clock() - self.starting_at)
+
+    def __call__(self, run_name: str, rec) -> None:
+        """``rec`` None: the run's measured requests start now (or the run is skipped)."""
+        now = self.clock()
+        if rec is None:
+            self.since = now
+            return
+        if self.since is not None:
+            self.busy_s += now - self.since
+        self.since = now
+        self.done += 1
+        self.failed += not rec.success
         if self.bar is not None:
-            self.bar.update(n)
+            eta = self.eta_s()
+            postfix = "" if eta is None else f"ETA {self.bar.format_interval(eta)}"
+            self.bar.set_postfix_str(postfix + (f", failed={self.failed}" if self.failed else ""), refresh=False)
+            self.bar.update(1)
+
+    def drop(self, n: int) -> None:
+        """Requests that will not be sent (skipped runs, duration limit) leave the total."""
+        self.total = max(self.done, self.total - n)  # an aborted target drops its runs whole
+        if self.bar is not None and n:
+            self.bar.total = self.total
+            self.bar.refresh()
+
+    def eta_s(self) -> float | None:
+        if not self.done:
+            return None
+        starts = self.servers_left * sum(self.start_times) / len(self.start_times) if self.start_times else 0.0
+        return (self.total - self.done) * self.busy_s / self.done + starts
 
     def close(self):
         if self.bar is not None:
@@ -339,7 +385,6 @@ def _run_all(args, targets_cfg: list[dict[str, Any]], results: dict[str, Any], p
     )
     dataset = workload.load_dataset(args.dataset) if args.dataset else None
     vocab = tokenizer = None
-    per_run_total = {s.name: s.num_requests for s in specs}
     for tcfg in targets_cfg:
         tres: dict[str, Any] = {k: v for k, v in tcfg.items() if k != "server"}
         tres.update({"events": [], "runs": []})
@@ -350,11 +395,12 @@ def _run_all(args, targets_cfg: list[dict[str, Any]], results: dict[str, Any], p
                 server_args = [results["config"]["model"], "--moe-backend", tcfg["moe_backend"], *shlex.split(args.server_args)]
                 server = ServerProcess(server_args, startup_timeout=args.startup_timeout,
                                        log_path=Path(results["folder"]) / f"server-{tcfg['name']}.log")
-                progress.set(f"{tcfg['name']}: starting server")
+                progress.starting(tcfg["name"])
                 tres["server_command"] = "mok-serve " + shlex.join(server_args)
                 tres["server_log"] = str(server.log_path)
                 try:
                     server.start()
+                    progress.started()
                 except ServerError as e:
                     tres["events"].append(f"server did not start: {str(e).splitlines()[0]}")
                     tres["server_log_tail"] = server.log()[-3000:]
@@ -400,8 +446,7 @@ def _run_all(args, targets_cfg: list[dict[str, Any]], results: dict[str, Any], p
                 _skip_all(tres, specs, "load test aborted", progress)
                 continue
             for r in runs:
-                if r.get("skipped"):
-                    progress.skip(per_run_total[r["spec"]["name"]] - 1)
+                progress.drop(r["summary"].get("not_sent", 0))
             tres["runs"] = runs
             d = died()
             if d and d not in tres["events"]:
@@ -418,7 +463,7 @@ def _skip_all(tres, specs, reason, progress) -> None:
         s = summarize([], 0.0)
         s["not_sent"] = spec.num_requests
         tres["runs"].append({"spec": spec.to_dict(), "skipped": reason, "records": [], "summary": s, "notes": []})
-        progress.skip(spec.num_requests)
+        progress.drop(spec.num_requests)
 
 
 async def _model_info(url: str) -> dict[str, Any]:
@@ -509,7 +554,8 @@ def serve_main(args, argv: list[str]) -> int:
         "targets": [],
     }
     specs = _specs(args)
-    progress = _Progress(sum(s.num_requests for s in specs) * len(targets), args.progress)
+    started = sum(1 for t in targets if t["moe_backend"] is not None)
+    progress = _Progress(sum(s.num_requests for s in specs) * len(targets), args.progress, started)
     try:
         _run_all(args, targets, results, progress)
     except KeyboardInterrupt:

@@ -156,7 +156,9 @@ async def run_target(
     target: Target, model: str, specs: list[RunSpec], workloads: dict[str, tuple[list[WorkItem], list[WorkItem]]],
     opts: Options, progress: Callable[[str, RequestRecord | None], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """All runs of ``specs`` against one server. ``workloads[spec.name]`` = (warm-up, measured)."""
+    """All runs of ``specs`` against one server. ``workloads[spec.name]`` = (warm-up, measured).
+    ``progress(run name, record)`` after each measured request, ``progress(run name, None)`` when a
+    run's measured requests start or the run is skipped."""
     results: list[dict[str, Any]] = []
     connector = aiohttp.TCPConnector(limit=0, force_close=False, keepalive_timeout=60)
     async with aiohttp.ClientSession(connector=connector, trust_env=False) as session:
@@ -201,6 +203,8 @@ async def run_target(
                 else:
                     await client.post(session, target.url + LAYERS_PATH + "/reset")
 
+            if progress:
+                progress(spec.name, None)  # the measured requests start: the progress bar's clock runs
             offsets = arrival_offsets(len(items), spec.rate, opts.burstiness, spec.seed + 7)
             records, duration, not_sent, note = await _issue(
                 session, target, model, items, offsets, spec.concurrency, opts, cb

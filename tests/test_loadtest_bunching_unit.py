@@ -1,5 +1,5 @@
 """mok-loadtest without servers: the bunched-stream rule, how the report flags distorted figures
-and withholds their ratios, and what the plots draw."""
+and withholds their ratios, the progress bar's ETA, and what the plots draw."""
 
 import pytest
 
@@ -123,6 +123,43 @@ def test_serve_help_states_the_bunching_rule(capsys):
     assert ("(2 or more tokens per arrival on average; chunks less than 0.5 ms apart are one arrival) is counted as "
             "bunched") in text
     assert "In a run where bunched requests are 1% or more, those figures (and peak tok/s) are marked ⚠" in text
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_progress_eta_leaves_out_server_starts_and_counts_them_once():
+    """Two servers of 4 runs of 48 requests; a server start takes 280 s, a request 0.2 s."""
+    clock = Clock()
+    p = cli._Progress(2 * 4 * 48, enabled=True, servers=2, clock=clock)
+    assert p.bar.total == 384 and p.bar.unit == "req"
+
+    def server(name):
+        p.starting(name)
+        clock.t += 280
+        p.started()
+        for r in ("c=1", "c=4", "c=16", "rate=8"):
+            clock.t += 5  # warm-up and the per-layer reads: not timed
+            p(r, None)
+            for _ in range(48):
+                clock.t += 0.2
+                p(r, record(0, [SPREAD_GAP] * 15))
+                if name == "kittens":
+                    return
+
+    server("stock")
+    assert p.eta_s() == pytest.approx(192 * 0.2 + 280)  # the other server's requests and its start
+    server("kittens")
+    assert p.eta_s() == pytest.approx(191 * 0.2)  # tqdm's own ETA said hours here
+    assert p.bar.postfix == "ETA 00:38"  # what the bar shows
+    p.drop(48)  # a skipped run leaves the total
+    assert p.bar.total == p.total == 336 and p.eta_s() == pytest.approx(143 * 0.2)
+    p.close()
 
 
 def fake_layers(mean_us):
