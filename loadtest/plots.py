@@ -9,6 +9,7 @@ Points of a run whose per-token figures are distorted by bunched streams are rin
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -96,8 +97,9 @@ def _y_from_zero(axes) -> None:
             ax.set_ylim(0, max(tops) * 1.1 or 1.0)
 
 
-def _legend(fig, results: dict[str, Any], percentiles: bool = False, distorted: bool = False) -> None:
-    """One legend for the figure, above its panels: servers, and the line styles and rings used."""
+def _legend(fig, results: dict[str, Any], percentiles: bool = False, distorted: bool = False) -> float:
+    """One legend for the figure, above its panels: servers, and the line styles and rings used.
+    Returns the top fraction of the figure it takes, for tight_layout to leave free."""
     from matplotlib.lines import Line2D
 
     handles = [Line2D([], [], label=name, **style) for name, style in styles(results["targets"]).items()]
@@ -106,7 +108,12 @@ def _legend(fig, results: dict[str, Any], percentiles: bool = False, distorted: 
     if distorted:
         handles.append(Line2D([], [], linestyle="none", marker="o", markersize=11, markerfacecolor="none",
                               markeredgecolor="red", label=DISTORTED_LABEL))
-    fig.legend(handles=handles, loc="upper center", ncol=len(handles), bbox_to_anchor=(0.5, 1.0), frameon=False)
+    # As many rows as the entries need at ~0.09 inch per character and 0.8 inch for the symbol.
+    inches = sum(0.8 + 0.09 * len(h.get_label()) for h in handles)
+    rows = math.ceil(inches / fig.get_figwidth())
+    fig.legend(handles=handles, loc="upper center", ncol=math.ceil(len(handles) / rows), bbox_to_anchor=(0.5, 1.0),
+               frameon=False)
+    return (0.3 * rows + 0.1) / fig.get_figheight()
 
 
 def throughput_figure(results: dict[str, Any]):
@@ -125,8 +132,7 @@ def throughput_figure(results: dict[str, Any]):
         ax.set_title(f"Output tokens/s vs {X_AXES[kind].split(' (')[0]}")
         _y_from_zero([ax])
         ax.grid(alpha=0.3)
-    _legend(fig, results)
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    fig.tight_layout(rect=(0, 0, 1, 1 - _legend(fig, results)))
     return fig
 
 
@@ -154,8 +160,7 @@ def latency_figure(results: dict[str, Any]):
             ax.set_title(f"{title} vs {X_AXES[kind].split(' (')[0]}")
             ax.grid(alpha=0.3)
         _y_from_zero(row)
-    _legend(fig, results, percentiles=True, distorted=any_distorted)
-    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    fig.tight_layout(rect=(0, 0, 1, 1 - _legend(fig, results, percentiles=True, distorted=any_distorted)))
     return fig
 
 

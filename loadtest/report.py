@@ -366,7 +366,8 @@ def bunching_section(results: dict[str, Any]) -> list[str]:
         cells = []
         for t in results["targets"]:
             b = bunching.of_run(run_of(t, n))
-            cells.append("—" if b is None else bunching.count_text(b) + (f" {WARN}" if b["distorted"] else ""))  # — skipped
+            # "—": the run was skipped, nothing to count
+            cells.append("—" if b is None else bunching.count_text(b) + (f" {WARN}" if b["distorted"] else ""))
         out.append(f"| {n} | " + " | ".join(cells) + " |")
     return out + ["", "Counts: bunched of the completed requests with two or more tokens; results.json has "
                   "`bunched` and `arrivals` per request.", ""]
