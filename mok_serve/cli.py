@@ -12,7 +12,8 @@ import threading
 
 from mok_serve import tiny_models
 
-USAGE = "mok-serve [MODEL] [mok-serve and vllm serve options]  |  mok-serve build-tiny [--family F] [--list]"
+USAGE = ("mok-serve [MODEL] [mok-serve and vllm serve options]  |  mok-serve build-tiny [--family F]  |  "
+         "mok-serve build-model --shape S")
 HELP = f"""\
 vLLM's OpenAI-compatible server (vllm serve) with the kittens MoE backend. Every vllm serve option
 is accepted; what differs:
@@ -25,6 +26,8 @@ Per-layer MoE timing and expert load, for any --moe-backend, are on by default: 
 /v1/kittens/layers (JSON), /metrics (Prometheus, kittens:* series) and the page /kittens.
 
   mok-serve build-tiny [--family F]   build a tiny model and print its path (--list: families)
+  mok-serve build-model --shape S     write a real-shape model without weights, to serve with
+                                      --load-format dummy on a GPU (--list: shapes)
 """
 VLLM_OPTIONS_HELP = """\
 vllm serve options: every one is accepted (they load vLLM, a few seconds):
@@ -220,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["build-tiny"]:
         return tiny_models.main(argv[1:])
+    if argv[:1] == ["build-model"]:
+        from mok_serve import shaped_models
+
+        return shaped_models.main(argv[1:])
     if "-h" in argv or "--help" in argv:
         print(quick_help(), end="")
         return 0

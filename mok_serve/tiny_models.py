@@ -366,7 +366,7 @@ def _get_family(family: str) -> TinyFamily:
 # --------------------------------------------------------------------------- tokenizer
 
 
-def _build_tokenizer():
+def build_tokenizer():
     """Byte-level BPE trained on CORPUS; deterministic."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -390,7 +390,7 @@ def _build_tokenizer():
     return tok
 
 
-def _write_tokenizer(tok, out: pathlib.Path, max_len: int) -> dict[str, int]:
+def write_tokenizer(tok, out: pathlib.Path, max_len: int) -> dict[str, int]:
     tok.save(str(out / "tokenizer.json"), pretty=True)
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     tok_cfg = {
@@ -421,7 +421,7 @@ def _write_tokenizer(tok, out: pathlib.Path, max_len: int) -> dict[str, int]:
 # --------------------------------------------------------------------------- weights
 
 
-def _param_specs(fam: TinyFamily, vocab: int) -> list[tuple[str, tuple[int, ...], str]]:
+def param_specs(fam: TinyFamily, vocab: int) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, shape, kind) of every tensor, in HF hub checkpoint naming (per-expert weights)."""
     c = fam.config
     H = c["hidden_size"]
@@ -502,7 +502,7 @@ def _make_weights(fam: TinyFamily, vocab: int, n_special: int) -> dict[str, Any]
 
     H = fam.config["hidden_size"]
     arrays: dict[str, np.ndarray] = {}
-    for name, shape, kind in _param_specs(fam, vocab):
+    for name, shape, kind in param_specs(fam, vocab):
         g = _rng(fam, name)
         if kind == "norm":
             a = np.ones(shape, dtype=np.float32)
@@ -560,7 +560,7 @@ def _quantize_routed_experts(fam: TinyFamily, weights: dict[str, Any]) -> dict[s
 # --------------------------------------------------------------------------- config
 
 
-def _make_config(fam: TinyFamily, vocab: int, ids: dict[str, int]) -> dict[str, Any]:
+def make_config(fam: TinyFamily, vocab: int, ids: dict[str, int]) -> dict[str, Any]:
     from transformers import AutoConfig
 
     kwargs = dict(fam.config)
@@ -584,7 +584,7 @@ def _make_config(fam: TinyFamily, vocab: int, ids: dict[str, int]) -> dict[str, 
         # Only the routed experts are quantized: vLLM's CPU FP8 linear kernels need AMX, and the
         # experts are what kittens runs. Every other linear layer (routers included: Qwen3-MoE's
         # is a quantizable linear in vLLM) is listed as left in bf16.
-        linears = [name for name, _, kind in _param_specs(fam, vocab) if kind in ("linear", "router")]
+        linears = [name for name, _, kind in param_specs(fam, vocab) if kind in ("linear", "router")]
         ignored = [name.removesuffix(".weight") for name in linears if not _is_routed_expert(name)]
         d["quantization_config"] = {**fam.quantization, "ignored_layers": ignored}
     return d
@@ -596,11 +596,11 @@ def _make_config(fam: TinyFamily, vocab: int, ids: dict[str, int]) -> dict[str, 
 def _build_into(fam: TinyFamily, out: pathlib.Path) -> None:
     from safetensors.torch import save_file
 
-    tok = _build_tokenizer()
+    tok = build_tokenizer()
     vocab = tok.get_vocab_size()
     max_len = fam.config["max_position_embeddings"]
-    ids = _write_tokenizer(tok, out, max_len)
-    cfg = _make_config(fam, vocab, ids)
+    ids = write_tokenizer(tok, out, max_len)
+    cfg = make_config(fam, vocab, ids)
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     gen = {
         "bos_token_id": ids[BOS_TOKEN],
