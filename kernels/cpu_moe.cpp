@@ -41,6 +41,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -86,14 +87,6 @@ inline float round_to(float v) {
   return static_cast<float>(static_cast<T>(v));
 }
 
-// SiLU(gate) * up on the GEMM1 outputs, each rounded to T first; the caller rounds the result to T.
-// Plain IEEE operations and libm's expf (compiled without contraction): the same on both ISAs.
-template <typename T>
-inline float silu_mul(float gate_sum, float up_sum) {
-  const float gate = round_to<T>(gate_sum), up = round_to<T>(up_sum);
-  return gate / (1.0f + std::exp(-gate)) * up;
-}
-
 // Per-thread scratch, grown on demand and kept: no allocation per call once warm.
 template <typename V>
 V* scratch(std::vector<V>& buf, size_t n) {
@@ -113,6 +106,79 @@ inline vec8 bits_to_float(u32x8 bits) {
   vec8 v;
   __builtin_memcpy(&v, &bits, sizeof(v));
   return v;
+}
+
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+// exp(x) on 8 floats: Cephes' expf (n = round(x / ln 2), x - n ln 2 in two parts, a degree-5
+// polynomial, times 2^n), in IEEE operations only, without contraction: every lane gives the same
+// bits on every ISA and vector width. Relative error about 1e-7; x is clamped to [-87.3, 88] (2^n
+// stays a normal number); NaN stays NaN.
+inline vec8 exp8(vec8 x) {
+  const vec8 hi = vec8{} + 88.0f, lo = vec8{} - 87.33654475f;
+  x = x > hi ? hi : x;  // a NaN lane compares false and is kept
+  x = x < lo ? lo : x;
+  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const vec8 t = x * 1.44269504088896341f + magic;
+  const vec8 n = t - magic;
+  vec8 r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  const vec8 z = r * r;
+  vec8 y = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * z + r + 1.0f;
+  // t's bits are those of 1.5 * 2^23 plus n: n + 127 is 2^n's exponent field.
+  const i32x8 e = ((i32x8)t - 0x4B400000 + 127) << 23;
+  return y * (vec8)e;
+}
+
+// v rounded through T (c10's conversions: to nearest even, NaN to a quiet NaN), as floats.
+template <typename T>
+inline vec8 round8(vec8 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const i32x8 u = (i32x8)v;
+    const i32x8 r = (u + 0x7FFF + ((u >> 16) & 1)) & static_cast<int32_t>(0xFFFF0000u);
+    return (vec8)(v != v ? 0x7FC00000 : r);
+  } else {
+    for (int j = 0; j < 8; ++j) v[j] = round_to<T>(v[j]);
+    return v;
+  }
+}
+
+// act[i] = T(SiLU(T(gate[i])) * T(up[i])) for i < n, as floats: the GEMM1 outputs rounded to T,
+// SiLU(g) = g / (1 + exp(-g)) (exp8), the product rounded to T. Eight at a time (the last group
+// padded with zeros), on both ISAs.
+template <typename T>
+inline vec8 silu_mul8(vec8 g, vec8 u) {
+  g = round8<T>(g);
+  u = round8<T>(u);
+  return round8<T>(g / (1.0f + exp8(-g)) * u);
+}
+
+template <typename T>
+void silu_mul(const float* gate, const float* up, int64_t n, float* act) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    vec8 g, u;
+    __builtin_memcpy(&g, gate + i, sizeof(g));
+    __builtin_memcpy(&u, up + i, sizeof(u));
+    const vec8 a = silu_mul8<T>(g, u);
+    __builtin_memcpy(act + i, &a, sizeof(a));
+  }
+  if (i < n) {
+    vec8 g = {}, u = {};
+    for (int64_t j = i; j < n; ++j) {
+      g[j - i] = gate[j];
+      u[j - i] = up[j];
+    }
+    const vec8 a = silu_mul8<T>(g, u);
+    for (int64_t j = i; j < n; ++j) act[j] = a[j - i];
+  }
 }
 
 // Sixteen consecutive weights as two vec8. For float and half: columns 0-7 and 8-15. For
@@ -227,7 +293,7 @@ void generic_block(const T* x, int64_t hidden, int64_t inter, const W* w13t, con
   }
   gemm_rows<R>(xr, w13t, hidden, 2 * inter, gr);
   for (int r = 0; r < R; ++r)
-    for (int64_t i = 0; i < inter; ++i) act[r * inter + i] = round_to<T>(silu_mul<T>(gr[r][i], gr[r][inter + i]));
+    silu_mul<T>(gr[r], gr[r] + inter, inter, act + r * inter);
   gemm_rows<R>(ar, w2t, inter, hidden, yr);
   for (int r = 0; r < R; ++r)
     for (int64_t h = 0; h < hidden; ++h) out_rows[rows[r] * hidden + h] = static_cast<T>(yr[r][h]);
@@ -375,8 +441,8 @@ void bf16_block(const c10::BFloat16* x, int64_t hidden, int64_t inter, const W* 
                 const int64_t* tokens, const int64_t* rows, c10::BFloat16* out_rows) {
   thread_local std::vector<float> fbuf;
   thread_local std::vector<uint16_t> hbuf;
-  float* gate_up = scratch(fbuf, R * (2 * inter + hidden));
-  float* y = gate_up + R * 2 * inter;
+  float* gate_up = scratch(fbuf, R * (3 * inter + hidden));
+  float *y = gate_up + R * 2 * inter, *act_f = y + R * hidden;
   uint16_t* act = scratch(hbuf, R * inter);
   const uint16_t *xr[R], *ar[R];
   float *gr[R], *yr[R];
@@ -387,9 +453,10 @@ void bf16_block(const c10::BFloat16* x, int64_t hidden, int64_t inter, const W* 
     yr[r] = y + r * hidden;
   }
   bf16_gemm<R>(xr, w13t, hidden, 2 * inter, gr);
-  for (int r = 0; r < R; ++r)
-    for (int64_t i = 0; i < inter; ++i)
-      act[r * inter + i] = c10::BFloat16(silu_mul<c10::BFloat16>(gr[r][i], gr[r][inter + i])).x;
+  for (int r = 0; r < R; ++r) {
+    silu_mul<c10::BFloat16>(gr[r], gr[r] + inter, inter, act_f);
+    for (int64_t i = 0; i < inter; ++i) act[r * inter + i] = c10::BFloat16(act_f[i]).x;  // exact: act_f is bf16
+  }
   bf16_gemm<R>(ar, w2t, inter, hidden, yr);
   for (int r = 0; r < R; ++r) {
     uint16_t* o = reinterpret_cast<uint16_t*>(out_rows + rows[r] * hidden);
@@ -411,24 +478,26 @@ struct Block {
 };
 
 // Stable counting sort of the rows by local expert (each expert sees its rows in the given order),
-// cut into blocks of at most max_rows rows of one expert, as even as possible.
+// cut into blocks of at most max_rows rows of one expert, as even as possible. One per thread,
+// rebuilt on each call in the same buffers.
 struct RowPlan {
-  std::vector<int64_t> row, token;
+  std::vector<int64_t> row, token, start, fill;
   std::vector<Block> blocks;
 
-  RowPlan(const int64_t* tokens, const int64_t* experts, int64_t num_rows, int64_t num_local, int64_t max_rows) {
-    std::vector<int64_t> start(num_local + 1, 0);
+  void build(const int64_t* tokens, const int64_t* experts, int64_t num_rows, int64_t num_local, int64_t max_rows) {
+    start.assign(num_local + 1, 0);
     for (int64_t r = 0; r < num_rows; ++r)
       if (experts[r] >= 0) ++start[experts[r] + 1];
     for (int64_t e = 0; e < num_local; ++e) start[e + 1] += start[e];
     row.resize(start[num_local]);
     token.resize(start[num_local]);
-    std::vector<int64_t> fill(start.begin(), start.end() - 1);
+    fill.assign(start.begin(), start.end() - 1);
     for (int64_t r = 0; r < num_rows; ++r)
       if (experts[r] >= 0) {
         row[fill[experts[r]]] = r;
         token[fill[experts[r]]++] = tokens[r];
       }
+    blocks.clear();
     for (int64_t e = 0; e < num_local; ++e) {
       const int64_t n = start[e + 1] - start[e], count = (n + max_rows - 1) / max_rows;
       for (int64_t b = 0, begin = start[e]; b < count; ++b) {
@@ -439,6 +508,12 @@ struct RowPlan {
     }
   }
 };
+
+// The calling thread's plan (thread_local: calls from several threads do not share one).
+RowPlan& caller_plan() {
+  thread_local RowPlan plan;
+  return plan;
+}
 
 // Runs fn(i) for i in [0, n) on torch's intra-op threads, each taking the next i when done (the
 // blocks differ in size); inline when one thread or one item. Which thread runs an item never
@@ -474,7 +549,8 @@ void expert_rows_impl(const T* x, int64_t hidden, int64_t inter, const int64_t* 
 #ifdef MOK_X86_64
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (isa == Isa::AVX512_BF16) {
-      const RowPlan plan(token, expert, num_rows, num_local, AVX512_ROW_BLOCK);
+      RowPlan& plan = caller_plan();  // a reference: the workers must see this thread's plan, not theirs
+      plan.build(token, expert, num_rows, num_local, AVX512_ROW_BLOCK);
       run_parallel(static_cast<int64_t>(plan.blocks.size()), [&](int64_t i) {
         const Block& b = plan.blocks[i];
         dispatch_rows<AVX512_ROW_BLOCK>(b.size, [&](auto R) {
@@ -487,7 +563,8 @@ void expert_rows_impl(const T* x, int64_t hidden, int64_t inter, const int64_t* 
     }
   }
 #endif
-  const RowPlan plan(token, expert, num_rows, num_local, GENERIC_ROW_BLOCK);
+  RowPlan& plan = caller_plan();
+  plan.build(token, expert, num_rows, num_local, GENERIC_ROW_BLOCK);
   run_parallel(static_cast<int64_t>(plan.blocks.size()), [&](int64_t i) {
     const Block& b = plan.blocks[i];
     dispatch_rows<GENERIC_ROW_BLOCK>(b.size, [&](auto R) {
@@ -609,10 +686,17 @@ void check_fused_moe_args(const at::Tensor& x, const at::Tensor& w13, const at::
 // -1). The GEMMs read each expert's weights transposed; weights that are already transposed views of
 // contiguous [E, H, 2I] and [E, I, H] tensors (what the vLLM glue keeps) are used in place, others
 // are transposed on every call.
+// w's experts transposed ([E, a, b] as [E, b, a]) and contiguous: w itself where it is such a view.
+at::Tensor transposed(const at::Tensor& w) {
+  const int64_t a = w.size(1), b = w.size(2);
+  if (w.stride(1) == 1 && w.stride(2) == a && w.stride(0) == a * b) return w;  // no new tensor: it costs ~1 us
+  return w.transpose(1, 2).contiguous().transpose(1, 2);
+}
+
 void run_rows(const at::Tensor& x, const int64_t* token, const int64_t* expert, int64_t num_rows,
               const at::Tensor& w13, const at::Tensor& w2, void* out) {
   check_weights(x, w13, w2);
-  const at::Tensor w13t = w13.transpose(1, 2).contiguous(), w2t = w2.transpose(1, 2).contiguous();
+  const at::Tensor w13t = transposed(w13), w2t = transposed(w2);  // data: [E, H, 2I] and [E, I, H]
   const int64_t hidden = x.size(1), inter = w2.size(2), num_local = w13.size(0);
   const Isa isa = active_isa();
   dispatch_dtype(x.scalar_type(), "kittens CPU kernel", [&](auto tag) {
@@ -702,11 +786,15 @@ at::Tensor fused_moe(const at::Tensor& x_in, const at::Tensor& w13, const at::Te
                      const at::Tensor& topk_weights_in, const at::Tensor& topk_ids_in,
                      const c10::optional<at::Tensor>& expert_map_in, std::string_view activation) {
   check_fused_moe_args(x_in, w13, w2, topk_weights_in, topk_ids_in, expert_map_in, activation);
-  const at::Tensor x = x_in.contiguous(), topk_weights = topk_weights_in.to(at::kFloat).contiguous();
-  const at::Tensor topk_ids = topk_ids_in.contiguous();
+  const at::Tensor x = x_in.contiguous(), topk_ids = topk_ids_in.contiguous();
+  const at::Tensor topk_weights = topk_weights_in.scalar_type() == at::kFloat && topk_weights_in.is_contiguous()
+                                      ? topk_weights_in
+                                      : topk_weights_in.to(at::kFloat).contiguous();
   const int64_t tokens = topk_ids.size(0), top_k = topk_ids.size(1), num_local = w13.size(0);
   const int64_t num_rows = tokens * top_k, hidden = x.size(1);
-  std::vector<int64_t> token(num_rows), expert(num_rows);
+  thread_local std::vector<int64_t> token, expert;
+  token.resize(num_rows);
+  expert.resize(num_rows);
   if (topk_ids.scalar_type() == at::kInt)
     std::copy_n(topk_ids.data_ptr<int32_t>(), num_rows, expert.begin());
   else

@@ -11,14 +11,23 @@ The extension registers that kernel as the CPU kernel of ``torch.ops.mok_serve.f
 from the dispatcher straight to C++, without Python (whose wrapper and checks cost as much as the
 kernel at decode sizes). Until then the op's Python kernel runs ``fused_moe_cpu``, which loads it.
 
+The GEMMs run on one of two instruction sets, chosen once per process when the kernel loads:
+``avx512_bf16`` (the AVX-512 BF16 dot-product instruction, for bf16 activations) where CPUID reports
+AVX-512 F/BW/VL/BF16, else ``generic`` (portable 8-float vectors: AVX2 + FMA code on x86). Both sum
+every GEMM element in the same order, and give the same bits on normal numbers (``cpu_moe.cpp``'s
+header). The environment variable ``MOK_SERVE_CPU_ISA`` (``auto``, the default, ``generic`` or
+``avx512_bf16``), read here at load and nowhere else, forces one; an ISA the CPU lacks is an error.
+
 It is compiled with ``torch.utils.cpp_extension`` (a C++ compiler and ninja, which vLLM's CPU
 build needs as well) into torch's extension cache, once per machine. Where it cannot be built,
 a warning says why and the torch reference runs instead: same function, slower.
 """
 
+import contextlib
 import fcntl
 import hashlib
 import logging
+import os
 import platform
 import time
 from pathlib import Path
@@ -37,6 +46,9 @@ _SOURCES = [Path(__file__).with_name(n) for n in ("cpu_moe.cpp", "cpu_timer.cpp"
 _CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 _built: bool | None = None
+# The variable that forces the kernel's ISA (read once, by available()).
+ISA_ENV = "MOK_SERVE_CPU_ISA"
+_isa_error: str | None = None
 # Redispatching with this key set calls the extension's CPU kernel of an op whatever its inputs' devices.
 _CPU_KERNEL = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 
@@ -99,7 +111,40 @@ def available() -> bool:
         except Exception as exc:  # a missing compiler or ninja shows up as any of several errors
             logger.warning("kittens: cannot build the CPU kernel (%s); using the slower torch reference", exc)
             _built = False
+        if _built:
+            # Outside the try: an unknown ISA, or one this CPU lacks, is the caller's error (raised
+            # by every call), not a reason to fall back to the reference.
+            try:
+                chosen = torch.ops.mok_serve_cpu.set_isa(os.environ.get(ISA_ENV, "auto") or "auto")
+                logger.info("kittens: CPU kernel loaded, ISA %s", chosen)
+            except ValueError as exc:
+                global _isa_error
+                _isa_error = f"{ISA_ENV}: {exc}"
+    if _isa_error is not None:
+        raise ValueError(_isa_error)
     return _built
+
+
+def isa() -> str | None:
+    """The ISA the kernel's GEMMs run on in this process (None where the kernel cannot be built)."""
+    return torch.ops.mok_serve_cpu.set_isa("") if available() else None
+
+
+def supported_isas() -> list[str]:
+    """The ISAs this CPU can run, worst first (empty where the kernel cannot be built)."""
+    return list(torch.ops.mok_serve_cpu.supported_isas()) if available() else []
+
+
+@contextlib.contextmanager
+def forced_isa(name: str):
+    """Run the kernel on ISA ``name`` inside the block, for tests and benchmarks (process-wide: not
+    for use while other threads call the kernel)."""
+    previous = isa()
+    torch.ops.mok_serve_cpu.set_isa(name)
+    try:
+        yield
+    finally:
+        torch.ops.mok_serve_cpu.set_isa(previous)
 
 
 def expert_rows(
