@@ -6,12 +6,14 @@
 // picks a kernel by row count, so a row's result never depends on how many rows share its expert
 // or the call.
 //
-// The order (`PAIR ORDER`): k in pairs (0, 1), (2, 3), ..., and in each pair the odd term first:
-//   acc = 0; for p: acc = round(acc + a[2p+1] * w[2p+1]); acc = round(acc + a[2p] * w[2p])
-// (an odd K ends with the lone last term). Every term is one rounding of an exact-product sum: a
-// fused multiply-add. It is the order of the AVX-512 BF16 dot-product instruction (vdpbf16ps: per
-// lane, acc + odd product, rounded, + even product, rounded; measured on an AMD EPYC, as Intel's
-// SDM specifies), so the two ISAs below give the same bits for bf16 on normal numbers:
+// The order: every term is one fused multiply-add (acc = round(acc + a[k] * w[k])), acc from 0, and
+// - bf16 activations, PAIR ORDER: k in pairs (0, 1), (2, 3), ..., in each pair the odd term first:
+//     for p: acc = fma(a[2p+1], w[2p+1], acc); acc = fma(a[2p], w[2p], acc)
+//   (an odd K ends with the lone last term). It is the order of the AVX-512 BF16 dot-product
+//   instruction (vdpbf16ps: per lane, acc + odd product, rounded, + even product, rounded; measured
+//   on an AMD EPYC, as Intel's SDM specifies);
+// - fp16 and fp32 activations, K ORDER: k = 0, 1, 2, ... (these run on the generic path only).
+// So the two ISAs below give the same bits for bf16 on normal numbers:
 //
 // - `generic` (every CPU): GCC vector extensions, eight floats (an AVX2 register), weights
 //   widened to fp32, FMAs by contraction (`gemm_tile` is compiled with fp-contract=fast, the rest of
@@ -35,12 +37,14 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -151,8 +155,9 @@ inline vec8 round8(vec8 v) {
 }
 
 // act[i] = T(SiLU(T(gate[i])) * T(up[i])) for i < n, as floats: the GEMM1 outputs rounded to T,
-// SiLU(g) = g / (1 + exp(-g)) (exp8), the product rounded to T. Eight at a time (the last group
-// padded with zeros), on both ISAs.
+// SiLU(g) = g / (1 + exp(-g)), the product rounded to T. bf16 (both ISAs): eight at a time with
+// exp8 (the last group padded with zeros). fp16 and fp32: one at a time with libm's expf, as before
+// (the reference's torch SiLU gives the same bits on fp32 tests that compare the two exactly).
 template <typename T>
 inline vec8 silu_mul8(vec8 g, vec8 u) {
   g = round8<T>(g);
@@ -162,6 +167,13 @@ inline vec8 silu_mul8(vec8 g, vec8 u) {
 
 template <typename T>
 void silu_mul(const float* gate, const float* up, int64_t n, float* act) {
+  if constexpr (!std::is_same_v<T, c10::BFloat16>) {
+    for (int64_t i = 0; i < n; ++i) {
+      const float g = round_to<T>(gate[i]), u = round_to<T>(up[i]);
+      act[i] = round_to<T>(g / (1.0f + std::exp(-g)) * u);
+    }
+    return;
+  }
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     vec8 g, u;
@@ -217,12 +229,12 @@ struct Load16<c10::BFloat16> {
 
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")
-// out[r][n] = sum over k of a[r][k] * wt[k][n] in PAIR ORDER, for the R rows and the 16 * P
-// columns from n0; wt is the weight transposed, [K, N]. Every term is one fused multiply-add (this
+// out[r][n] = sum over k of a[r][k] * wt[k][n] in PAIR ORDER (Pairs) or K ORDER, for the R rows and
+// the 16 * P columns from n0; wt is the weight transposed, [K, N]. Every term is one fused multiply-add (this
 // block is compiled with contraction on; the scalar tail of gemm_rows too), on every code path.
 // 2 * P vec8 accumulators per row: enough independent additions in flight to hide their latency,
 // few enough to stay in registers.
-template <int R, int P, typename W>
+template <bool Pairs, int R, int P, typename W>
 inline void gemm_tile(const float* const* a, const W* wt, int64_t K, int64_t N, int64_t n0, float* const* out) {
   vec8 acc[R][2 * P] = {};
   auto term = [&](int64_t k) {
@@ -232,11 +244,12 @@ inline void gemm_tile(const float* const* a, const W* wt, int64_t K, int64_t N, 
       for (int v = 0; v < 2 * P; ++v) acc[r][v] += w[v] * a[r][k];
   };
   int64_t k = 0;
-  for (; k + 1 < K; k += 2) {
-    term(k + 1);
-    term(k);
-  }
-  if (k < K) term(k);
+  if (Pairs)
+    for (; k + 1 < K; k += 2) {
+      term(k + 1);
+      term(k);
+    }
+  for (; k < K; ++k) term(k);
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p)
       for (int j = 0; j < 8; ++j) {
@@ -251,23 +264,24 @@ inline void gemm_tile(const float* const* a, const W* wt, int64_t K, int64_t N, 
       }
 }
 
-// out[r] = a[r] @ wt for R rows. Every element is summed in PAIR ORDER on every code path (wide
+// out[r] = a[r] @ wt for R rows. Every element is summed in the same order on every code path (wide
 // tiles, narrow tiles, the scalar tail), so it does not depend on R, on the other rows or on its tile.
-template <int R, typename W>
+template <bool Pairs, int R, typename W>
 void gemm_rows(const float* const* a, const W* wt, int64_t K, int64_t N, float* const* out) {
   constexpr int P = R == 1 ? 4 : R == 2 ? 2 : 1;
   int64_t n = 0;
-  for (; n + 16 * P <= N; n += 16 * P) gemm_tile<R, P>(a, wt, K, N, n, out);
-  for (; n + 16 <= N; n += 16) gemm_tile<R, 1>(a, wt, K, N, n, out);
+  for (; n + 16 * P <= N; n += 16 * P) gemm_tile<Pairs, R, P>(a, wt, K, N, n, out);
+  for (; n + 16 <= N; n += 16) gemm_tile<Pairs, R, 1>(a, wt, K, N, n, out);
   for (; n < N; ++n)
     for (int r = 0; r < R; ++r) {
       float acc = 0.0f;
       int64_t k = 0;
-      for (; k + 1 < K; k += 2) {
-        acc += static_cast<float>(wt[(k + 1) * N + n]) * a[r][k + 1];
-        acc += static_cast<float>(wt[k * N + n]) * a[r][k];
-      }
-      if (k < K) acc += static_cast<float>(wt[k * N + n]) * a[r][k];
+      if (Pairs)
+        for (; k + 1 < K; k += 2) {
+          acc += static_cast<float>(wt[(k + 1) * N + n]) * a[r][k + 1];
+          acc += static_cast<float>(wt[k * N + n]) * a[r][k];
+        }
+      for (; k < K; ++k) acc += static_cast<float>(wt[k * N + n]) * a[r][k];
       out[r][n] = acc;
     }
 }
@@ -291,10 +305,11 @@ void generic_block(const T* x, int64_t hidden, int64_t inter, const W* w13t, con
     ar[r] = act + r * inter;
     yr[r] = y + r * hidden;
   }
-  gemm_rows<R>(xr, w13t, hidden, 2 * inter, gr);
+  constexpr bool Pairs = std::is_same_v<T, c10::BFloat16>;  // the order vdpbf16ps has, for bf16
+  gemm_rows<Pairs, R>(xr, w13t, hidden, 2 * inter, gr);
   for (int r = 0; r < R; ++r)
     silu_mul<T>(gr[r], gr[r] + inter, inter, act + r * inter);
-  gemm_rows<R>(ar, w2t, inter, hidden, yr);
+  gemm_rows<Pairs, R>(ar, w2t, inter, hidden, yr);
   for (int r = 0; r < R; ++r)
     for (int64_t h = 0; h < hidden; ++h) out_rows[rows[r] * hidden + h] = static_cast<T>(yr[r][h]);
 }
@@ -845,6 +860,22 @@ std::string set_isa(std::string_view name) {
   return std::string(ISA_NAMES[static_cast<int>(active_isa())]);
 }
 
+// How many threads run_parallel ran `items` items on, each item waiting (up to 2 s) until all have
+// started: for a test that the kernel's loops do use torch's threads (built without OpenMP, the
+// extension's at::parallel_for runs them one after another on the caller's thread).
+int64_t parallel_workers(int64_t items) {
+  std::atomic<int64_t> started{0};
+  std::vector<std::thread::id> who(items);
+  run_parallel(items, [&](int64_t i) {
+    started.fetch_add(1);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+    while (started.load() < items && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
+    who[i] = std::this_thread::get_id();
+  });
+  std::sort(who.begin(), who.end());
+  return std::unique(who.begin(), who.end()) - who.begin();
+}
+
 std::vector<std::string> supported_isas() {
   std::vector<std::string> out;
   for (size_t i = 0; i < ISA_NAMES.size(); ++i)
@@ -859,6 +890,7 @@ TORCH_LIBRARY(mok_serve_cpu, m) {
   m.def("combine_topk(Tensor rows, Tensor weights) -> Tensor");
   m.def("set_isa(str name) -> str", &set_isa);
   m.def("supported_isas() -> str[]", &supported_isas);
+  m.def("parallel_workers(int items) -> int", &parallel_workers);
 }
 
 TORCH_LIBRARY_IMPL(mok_serve_cpu, CPU, m) {

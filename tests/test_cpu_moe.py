@@ -13,6 +13,18 @@ from mok_serve.kernels import cpu_moe, fused_moe, reference
 pytestmark = pytest.mark.skipif(not cpu_moe.available(), reason="the C++ CPU kernel cannot be built here")
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+# Every ISA the kernel has; those this CPU lacks are skipped (a CI machine without AVX-512 still
+# tests the generic path; tests/test_cpu_moe_isa.py checks which one is chosen).
+ISAS = ["generic", "avx512_bf16"]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    """Runs the test with the kernel forced to each ISA in turn."""
+    if request.param not in cpu_moe.supported_isas():
+        pytest.skip(f"this CPU does not support {request.param}")
+    with cpu_moe.forced_isa(request.param):
+        yield request.param
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -41,7 +53,7 @@ SHAPES = [(1, 64, 32, 4, 2), (13, 72, 36, 5, 3), (64, 256, 128, 8, 2), (40, 132,
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_matches_reference(shape, dtype):
+def test_matches_reference(shape, dtype, isa):
     x, w13, w2, weights, ids = make_layer(*shape, dtype)
     want = reference.fused_moe_reference(x, w13, w2, weights, ids)
     got = fused_moe(x, transposed_in_memory(w13), transposed_in_memory(w2), weights, ids)
@@ -49,7 +61,7 @@ def test_matches_reference(shape, dtype):
     assert rel_err(got, want) <= TOLERANCE[dtype]
 
 
-def test_rows_of_remote_experts_are_zero_and_others_match():
+def test_rows_of_remote_experts_are_zero_and_others_match(isa):
     x, w13, w2, _, _ = make_layer(9, 72, 36, 6, 2, torch.bfloat16)
     row_token = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 8])
     row_expert = torch.tensor([0, -1, 5, 5, -1, 2, 5, 5, 5, 0])
@@ -61,7 +73,7 @@ def test_rows_of_remote_experts_are_zero_and_others_match():
         assert rel_err(got[row], want[row]) <= 1e-2, row
 
 
-def test_bitwise_batch_invariant():
+def test_bitwise_batch_invariant(isa):
     """A token alone equals the same token in batches where its expert has 1 to 40 rows."""
     x, w13, w2, weights, ids = make_layer(64, 132, 68, 4, 2, torch.bfloat16, seed=3)
     w13, w2 = transposed_in_memory(w13), transposed_in_memory(w2)
@@ -72,19 +84,22 @@ def test_bitwise_batch_invariant():
         assert torch.equal(batch, alone), size
 
 
-def test_bitwise_equal_across_thread_counts_and_weight_layouts():
+def test_bitwise_equal_across_thread_counts_and_weight_layouts(isa):
     x, w13, w2, weights, ids = make_layer(33, 72, 36, 5, 3, torch.bfloat16)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         one_thread = fused_moe(x, w13, w2, weights, ids)
+        for n in (2, 3):  # 3: more threads than this 2-core CI machine has, and an uneven split
+            torch.set_num_threads(n)
+            assert torch.equal(fused_moe(x, w13, w2, weights, ids), one_thread), n
     finally:
         torch.set_num_threads(threads)
     for a, b in ((w13, w2), (transposed_in_memory(w13), transposed_in_memory(w2)), (w13.float(), w2.float())):
         assert torch.equal(fused_moe(x, a, b, weights, ids), one_thread)
 
 
-def test_nan_stays_in_its_token():
+def test_nan_stays_in_its_token(isa):
     x, w13, w2, weights, ids = make_layer(16, 64, 32, 4, 2, torch.bfloat16)
     x[5, 3] = float("nan")
     out = fused_moe(x, w13, w2, weights, ids)
