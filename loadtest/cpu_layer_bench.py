@@ -25,6 +25,14 @@ is the undisturbed cost, the median what a call met; the load average is recorde
 Results: ``<out>/<name>.csv`` (long format: shape, tokens, threads, backend, median_us, min_us,
 commit, cpu) and ``<out>/<name>.md`` (tables, kittens/stock ratios, the <= 1.2x target at 1-64
 tokens). ``main(argv)`` is the entry point: ``python -m loadtest.cpu_layer_bench --help``.
+
+``--server``: the whole server instead, per family: ``mok-serve`` (kittens) and ``mok-serve
+--moe-backend auto`` (stock) started one at a time with vLLM's CPU setup, a few warm-up requests,
+a reset of the layer statistics, then ``--server-requests`` greedy completions of 64 tokens
+(``ignore_eos``) at each concurrency of ``--server-concurrency``, and ``GET /v1/kittens/layers``
+after each: per MoE layer the calls, tokens and latency mean / p50 (the timer marks around the MoE
+method, kittens' two more than stock's; ``server/README.md``). Written to ``<name>_server.csv`` and
+``.md``.
 """
 
 from __future__ import annotations
@@ -221,6 +229,87 @@ def write_md(path: Path, rows: list[dict], meta: dict) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
+
+
+def http_json(url: str, body: dict | None = None, timeout: float = 600) -> dict:
+    import json
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
+                                 method="GET" if body is None else "POST")
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read() or b"{}")
+
+
+def server_runs(family: str, backend: str, concurrencies: list[int], requests: int) -> list[dict]:
+    """Per concurrency: the MoE layers' calls, tokens and latency from /v1/kittens/layers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mok_serve.server_process import ServerProcess
+    from mok_serve.tiny_models import served_name
+
+    model = served_name(family)
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+    rows = []
+    with ServerProcess(["--tiny-family", family, "--moe-backend", backend, "--max-model-len", "1024"]) as server:
+        for _ in range(3):
+            http_json(f"{server.url}/v1/completions", body)
+        for c in concurrencies:
+            http_json(f"{server.url}/v1/kittens/layers/reset", {})
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(c) as pool:
+                list(pool.map(lambda _: http_json(f"{server.url}/v1/completions", body), range(requests)))
+            wall = time.perf_counter() - t0
+            doc = http_json(f"{server.url}/v1/kittens/layers")
+            for layer in doc["layers"]:
+                for rank in layer["ranks"]:
+                    lat = rank["latency_ms"] or {}
+                    rows.append(dict(shape=family, backend=doc["backend"], concurrency=c, layer=layer["index"],
+                                     calls=rank["calls"], tokens=rank["tokens"],
+                                     mean_ms=round(lat.get("mean", float("nan")), 4),
+                                     p50_ms=round(lat.get("p50", float("nan")), 4),
+                                     experts_class=rank["experts_class"], wall_s=round(wall, 2)))
+            print(f"{family} {doc['backend']:16s} c={c}: " + ", ".join(
+                f"layer {r['layer']} {r['mean_ms']:.3f} ms mean / {r['p50_ms']:.3f} p50 over {r['calls']} calls"
+                for r in rows if r["concurrency"] == c and r["backend"] == doc["backend"]), flush=True)
+    return rows
+
+
+def server_main(args, shapes: list[str], rev: str, model: str, flags: str) -> int:
+    concurrencies = [int(c) for c in args.server_concurrency.split(",")]
+    load_before = " ".join(f"{v:.2f}" for v in os.getloadavg())
+    rows = []
+    for family in shapes:
+        for backend in ("kittens", "auto"):
+            rows += server_runs(family, backend, concurrencies, args.server_requests)
+    load_after = " ".join(f"{v:.2f}" for v in os.getloadavg())
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = (args.name or f"cpu_layer_bench_{rev}") + "_server"
+    fields = ["shape", "backend", "concurrency", "layer", "calls", "tokens", "mean_ms", "p50_ms", "experts_class",
+              "wall_s"]
+    with open(out / f"{name}.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields + ["commit", "cpu"])
+        w.writeheader()
+        w.writerows({**r, "commit": rev, "cpu": model} for r in rows)
+    lines = ["# CPU MoE layer inside the server: kittens vs stock", "",
+             f"CPU: {model} ({os.cpu_count()} cores; flags: {flags}). Commit {rev}. Tiny models, `mok-serve` with "
+             f"vLLM's CPU setup, servers one at a time; {args.server_requests} greedy completions of 64 tokens "
+             f"per concurrency after 3 warm-up requests and a reset. Per MoE layer from `GET /v1/kittens/layers` "
+             f"(timer marks around the MoE method: kittens has two more per layer than stock). Load average "
+             f"before / after: {load_before} / {load_after}.", "",
+             "| family | concurrency | backend | layer | calls | tokens / call | mean ms | p50 ms |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['concurrency']} | {r['backend']} | {r['layer']} | {r['calls']} | "
+                     f"{r['tokens'] / max(1, r['calls']):.2f} | {r['mean_ms']:.3f} | {r['p50_ms']:.3f} |")
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {out / name}.csv and .md")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtest.cpu_layer_bench", description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default=",".join(FAMILIES), help="tiny model families (mok_serve.tiny_models)")
@@ -231,7 +320,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--name", default=None, help="file name stem (default cpu_layer_bench_<commit>)")
+    p.add_argument("--server", action="store_true", help="time the MoE layers inside real servers instead")
+    p.add_argument("--server-concurrency", default="1,8")
+    p.add_argument("--server-requests", type=int, default=16)
     args = p.parse_args(argv)
+    if args.server:
+        shapes = args.shapes.split(",")
+        model, flags = cpu_description()
+        return server_main(args, shapes, commit(), model, flags)
 
     from mok_serve.kernels import cpu_moe
 
