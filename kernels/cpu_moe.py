@@ -13,9 +13,9 @@ kernel at decode sizes). Until then the op's Python kernel runs ``fused_moe_cpu`
 
 The GEMMs run on one of two instruction sets, chosen once per process when the kernel loads:
 ``avx512_bf16`` (the AVX-512 BF16 dot-product instruction, for bf16 activations) where CPUID reports
-AVX-512 F/BW/VL/BF16, else ``generic`` (portable 8-float vectors: AVX2 + FMA code on x86). Both sum
-every GEMM element in the same order, and give the same bits on normal numbers (``cpu_moe.cpp``'s
-header). The environment variable ``MOK_SERVE_CPU_ISA`` (``auto``, the default, ``generic`` or
+AVX-512 F/BW/VL/BF16, else ``generic`` (portable 8-float vectors: AVX2 + FMA code on x86). fp16 and
+fp32 activations always take the generic path. For bf16 both sum every GEMM element in the same order
+and give the same bits on normal numbers (``cpu_moe.cpp``'s header). The environment variable ``MOK_SERVE_CPU_ISA`` (``auto``, the default, ``generic`` or
 ``avx512_bf16``), read here at load and nowhere else, forces one; an ISA the CPU lacks is an error.
 
 It is compiled with ``torch.utils.cpp_extension`` (a C++ compiler and ninja, which vLLM's CPU
