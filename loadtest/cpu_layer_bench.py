@@ -29,7 +29,7 @@ tokens). ``main(argv)`` is the entry point: ``python -m loadtest.cpu_layer_bench
 ``--server``: the whole server instead, per family: ``mok-serve`` (kittens) and ``mok-serve
 --moe-backend auto`` (stock) started one at a time with vLLM's CPU setup, a few warm-up requests,
 a reset of the layer statistics, then ``--server-requests`` greedy completions of 64 tokens
-(``ignore_eos``) at each concurrency of ``--server-concurrency``, and ``GET /v1/kittens/layers``
+(``ignore_eos``) at each concurrency of ``--server-concurrency``, the pair ``--server-repeats`` times, and ``GET /v1/kittens/layers``
 after each: per MoE layer the calls, tokens and latency mean / p50 (the timer marks around the MoE
 method, kittens' two more than stock's; ``server/README.md``). Written to ``<name>_server.csv`` and
 ``.md``.
@@ -243,7 +243,7 @@ def http_json(url: str, body: dict | None = None, timeout: float = 600) -> dict:
         return json.loads(r.read() or b"{}")
 
 
-def server_runs(family: str, backend: str, concurrencies: list[int], requests: int) -> list[dict]:
+def server_runs(family: str, backend: str, concurrencies: list[int], requests: int, run: int) -> list[dict]:
     """Per concurrency: the MoE layers' calls, tokens and latency from /v1/kittens/layers."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -266,14 +266,15 @@ def server_runs(family: str, backend: str, concurrencies: list[int], requests: i
             for layer in doc["layers"]:
                 for rank in layer["ranks"]:
                     lat = rank["latency_ms"] or {}
-                    rows.append(dict(shape=family, backend=doc["backend"], concurrency=c, layer=layer["index"],
+                    rows.append(dict(shape=family, run=run, backend=doc["backend"], concurrency=c,
+                                     layer=layer["index"],
                                      calls=rank["calls"], tokens=rank["tokens"],
                                      mean_ms=round(lat.get("mean", float("nan")), 4),
                                      p50_ms=round(lat.get("p50", float("nan")), 4),
                                      experts_class=rank["experts_class"], wall_s=round(wall, 2)))
-            print(f"{family} {doc['backend']:16s} c={c}: " + ", ".join(
+            print(f"{family} run {run} {doc['backend']:16s} c={c}: " + ", ".join(
                 f"layer {r['layer']} {r['mean_ms']:.3f} ms mean / {r['p50_ms']:.3f} p50 over {r['calls']} calls"
-                for r in rows if r["concurrency"] == c and r["backend"] == doc["backend"]), flush=True)
+                for r in rows if r["concurrency"] == c), flush=True)
     return rows
 
 
@@ -282,13 +283,14 @@ def server_main(args, shapes: list[str], rev: str, model: str, flags: str) -> in
     load_before = " ".join(f"{v:.2f}" for v in os.getloadavg())
     rows = []
     for family in shapes:
-        for backend in ("kittens", "auto"):
-            rows += server_runs(family, backend, concurrencies, args.server_requests)
+        for run in range(args.server_repeats):  # kittens, stock, kittens, stock, ...
+            for backend in ("kittens", "auto"):
+                rows += server_runs(family, backend, concurrencies, args.server_requests, run)
     load_after = " ".join(f"{v:.2f}" for v in os.getloadavg())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = (args.name or f"cpu_layer_bench_{rev}") + "_server"
-    fields = ["shape", "backend", "concurrency", "layer", "calls", "tokens", "mean_ms", "p50_ms", "experts_class",
+    fields = ["shape", "run", "backend", "concurrency", "layer", "calls", "tokens", "mean_ms", "p50_ms", "experts_class",
               "wall_s"]
     with open(out / f"{name}.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields + ["commit", "cpu"])
@@ -296,14 +298,29 @@ def server_main(args, shapes: list[str], rev: str, model: str, flags: str) -> in
         w.writerows({**r, "commit": rev, "cpu": model} for r in rows)
     lines = ["# CPU MoE layer inside the server: kittens vs stock", "",
              f"CPU: {model} ({os.cpu_count()} cores; flags: {flags}). Commit {rev}. Tiny models, `mok-serve` with "
-             f"vLLM's CPU setup, servers one at a time; {args.server_requests} greedy completions of 64 tokens "
+             f"vLLM's CPU setup, servers one at a time, kittens then stock, {args.server_repeats} time(s) per "
+             f"family; {args.server_requests} greedy completions of 64 tokens "
              f"per concurrency after 3 warm-up requests and a reset. Per MoE layer from `GET /v1/kittens/layers` "
              f"(timer marks around the MoE method: kittens has two more per layer than stock). Load average "
              f"before / after: {load_before} / {load_after}.", "",
-             "| family | concurrency | backend | layer | calls | tokens / call | mean ms | p50 ms |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['shape']} | {r['concurrency']} | {r['backend']} | {r['layer']} | {r['calls']} | "
+             "Summary: per family and concurrency, the MoE layer's mean latency averaged over layers and runs "
+             "(each run's ratio in brackets).", "",
+             "| family | concurrency | kittens mean ms | stock mean ms | kittens / stock (per run) |",
+             "|---|---|---|---|---|"]
+    for family in shapes:
+        for c in concurrencies:
+            def avg(kind, run=None):
+                vals = [r["mean_ms"] for r in rows if r["shape"] == family and r["concurrency"] == c
+                        and r["backend"].startswith(kind) and (run is None or r["run"] == run)]
+                return sum(vals) / len(vals)
+            per_run = ", ".join(f"{avg('kittens', i) / avg('stock', i):.2f}" for i in range(args.server_repeats))
+            lines.append(f"| {family} | {c} | {avg('kittens'):.3f} | {avg('stock'):.3f} | "
+                         f"{avg('kittens') / avg('stock'):.2f} ({per_run}) |")
+    lines += ["", "Every run and layer:", "",
+             "| family | run | concurrency | backend | layer | calls | tokens / call | mean ms | p50 ms |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (shapes.index(r["shape"]), r["concurrency"], r["run"])):
+        lines.append(f"| {r['shape']} | {r['run']} | {r['concurrency']} | {r['backend']} | {r['layer']} | {r['calls']} | "
                      f"{r['tokens'] / max(1, r['calls']):.2f} | {r['mean_ms']:.3f} | {r['p50_ms']:.3f} |")
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {out / name}.csv and .md")
@@ -323,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server", action="store_true", help="time the MoE layers inside real servers instead")
     p.add_argument("--server-concurrency", default="1,8")
     p.add_argument("--server-requests", type=int, default=16)
+    p.add_argument("--server-repeats", type=int, default=2, help="kittens/stock server pairs per family")
     args = p.parse_args(argv)
     if args.server:
         shapes = args.shapes.split(",")
