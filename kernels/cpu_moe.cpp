@@ -843,8 +843,18 @@ at::Tensor fused_moe(const at::Tensor& x_in, const at::Tensor& w13, const at::Te
   at::Tensor out = at::empty({tokens, hidden}, x.options());
   dispatch_dtype(x.scalar_type(), "kittens CPU kernel", [&](auto tag) {
     using T = decltype(tag);
+    // The expert outputs: in a buffer kept by this thread up to 16 MiB (decode and small prefill
+    // steps allocate nothing), a temporary tensor beyond, so a long prefill's rows are not kept.
+    constexpr int64_t KEEP_BYTES = 16 << 20;
     thread_local std::vector<T> rows_buf;
-    T* rows = scratch(rows_buf, num_rows * hidden);
+    at::Tensor rows_tmp;
+    T* rows;
+    if (num_rows * hidden * static_cast<int64_t>(sizeof(T)) <= KEEP_BYTES) {
+      rows = scratch(rows_buf, num_rows * hidden);
+    } else {
+      rows_tmp = at::empty({num_rows, hidden}, x.options());
+      rows = rows_tmp.data_ptr<T>();
+    }
     run_rows(x, token.data(), expert.data(), num_rows, w13, w2, rows);
     combine_rows<T>(rows, topk_weights.data_ptr<float>(), tokens, top_k, hidden, out.data_ptr<T>());
   });
