@@ -310,19 +310,25 @@ def server_main(args, shapes: list[str], rev: str, model: str, flags: str) -> in
              f"per concurrency after 3 warm-up requests and a reset. Per MoE layer from `GET /v1/kittens/layers` "
              f"(timer marks around the MoE method: kittens has two more per layer than stock). Load average "
              f"before / after: {load_before} / {load_after}.", "",
-             "Summary: per family and concurrency, the MoE layer's mean latency averaged over layers and runs "
-             "(each run's ratio in brackets).", "",
-             "| family | concurrency | kittens mean ms | stock mean ms | kittens / stock (per run) |",
-             "|---|---|---|---|---|"]
+             "Summary: per family, concurrency and run, the MoE layer's mean latency averaged over the layers, "
+             "and the tokens per call. A ratio is given only where both servers' calls carried about the same "
+             "tokens (within 10%): with several requests in flight the two servers may batch them differently "
+             "(the scheduler sees them arrive at different moments), and a call of 12 tokens costs more than one "
+             "of 2.", "",
+             "| family | concurrency | run | kittens mean ms (tokens / call) | stock mean ms (tokens / call) | "
+             "kittens / stock |",
+             "|---|---|---|---|---|---|"]
     for family in shapes:
         for c in concurrencies:
-            def avg(kind, run=None):
-                vals = [r["mean_ms"] for r in rows if r["shape"] == family and r["concurrency"] == c
-                        and r["backend"].startswith(kind) and (run is None or r["run"] == run)]
-                return sum(vals) / len(vals)
-            per_run = ", ".join(f"{avg('kittens', i) / avg('stock', i):.2f}" for i in range(args.server_repeats))
-            lines.append(f"| {family} | {c} | {avg('kittens'):.3f} | {avg('stock'):.3f} | "
-                         f"{avg('kittens') / avg('stock'):.2f} ({per_run}) |")
+            for run in range(args.server_repeats):
+                sel = {kind: [r for r in rows if r["shape"] == family and r["concurrency"] == c and r["run"] == run
+                              and r["backend"].startswith(kind)] for kind in ("kittens", "stock")}
+                mean = {k: sum(r["mean_ms"] for r in v) / len(v) for k, v in sel.items()}
+                tpc = {k: sum(r["tokens"] for r in v) / max(1, sum(r["calls"] for r in v)) for k, v in sel.items()}
+                same = abs(tpc["kittens"] - tpc["stock"]) <= 0.1 * max(tpc.values())
+                ratio = f"{mean['kittens'] / mean['stock']:.2f}" if same else "not comparable"
+                lines.append(f"| {family} | {c} | {run} | {mean['kittens']:.3f} ({tpc['kittens']:.2f}) | "
+                             f"{mean['stock']:.3f} ({tpc['stock']:.2f}) | {ratio} |")
     lines += ["", "Every run and layer:", "",
              "| family | run | concurrency | backend | layer | calls | tokens / call | mean ms | p50 ms |",
              "|---|---|---|---|---|---|---|---|---|"]
