@@ -24,7 +24,7 @@ is the undisturbed cost, the median what a call met; the load average is recorde
 
 Results: ``<out>/<name>.csv`` (long format: shape, tokens, threads, backend, median_us, min_us,
 commit, cpu) and ``<out>/<name>.md`` (tables, kittens/stock ratios, the <= 1.2x target at 1-64
-tokens). ``main(argv)`` is the entry point: ``python -m loadtest.cpu_layer_bench --help``.
+tokens). ``main(argv)`` is the entry point: ``python -m mok_serve.loadtest.cpu_layer_bench --help``.
 
 ``--server``: the whole server instead, per family: ``mok-serve`` (kittens) and ``mok-serve
 --moe-backend auto`` (stock) started one at a time with vLLM's CPU setup, a few warm-up requests,
@@ -341,7 +341,7 @@ def server_main(args, shapes: list[str], rev: str, model: str, flags: str) -> in
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtest.cpu_layer_bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m mok_serve.loadtest.cpu_layer_bench", description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default=",".join(FAMILIES), help="tiny model families (mok_serve.tiny_models)")
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     p.add_argument("--threads", default=",".join(map(str, THREADS)))
