@@ -32,6 +32,17 @@ def make_inputs(tokens, hidden, inter, experts, top_k, dtype=torch.bfloat16, see
     return x, w13, w2, weights, ids
 
 
+def make_layer(tokens, hidden, inter, experts, top_k, dtype, seed=0):
+    """One layer's inputs from a fixed seed: x, w13, w2, top-k weights and distinct top-k ids."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=g) / inter**0.5).to(dtype)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=g)
+    return x, w13, w2, weights, ids
+
+
 def check_alone_equals_in_batch(op, x, experts, weights, ids, every=7):
     """``op(x, *experts, weights, ids)``: every ``every``-th token alone gives its bits in the
     whole batch."""

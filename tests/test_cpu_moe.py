@@ -7,6 +7,7 @@ import textwrap
 
 import pytest
 import torch
+from moe_test_utils import make_layer
 
 from mok_serve.kernels import cpu_moe, fused_moe, reference
 
@@ -34,16 +35,6 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def transposed_in_memory(w: torch.Tensor) -> torch.Tensor:
     return w.transpose(1, 2).contiguous().transpose(1, 2)
-
-
-def make_layer(tokens, hidden, inter, experts, top_k, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, hidden, generator=g).to(dtype)
-    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5).to(dtype)
-    w2 = (torch.randn(experts, hidden, inter, generator=g) / inter**0.5).to(dtype)
-    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
-    weights = torch.rand(tokens, top_k, generator=g)
-    return x, w13, w2, weights, ids
 
 
 # Odd sizes exercise the 8-wide and scalar column tails and the 1-3 row blocks (the reference

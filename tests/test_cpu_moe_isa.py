@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 import torch
+from moe_test_utils import make_layer
 
 from mok_serve.kernels import cpu_moe, fused_moe
 
@@ -79,16 +80,6 @@ def test_forced_isa_restores_the_previous_one():
     with cpu_moe.forced_isa("generic"):
         assert cpu_moe.isa() == "generic"
     assert cpu_moe.isa() == before
-
-
-def make_layer(tokens, hidden, inter, experts, top_k, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, hidden, generator=g).to(dtype)
-    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5).to(dtype)
-    w2 = (torch.randn(experts, hidden, inter, generator=g) / inter**0.5).to(dtype)
-    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
-    weights = torch.rand(tokens, top_k, generator=g)
-    return x, w13, w2, weights, ids
 
 
 # Odd H and I (the lone last k of a pair), column tails of every width, 1-8 row blocks, the tiny
