@@ -1,4 +1,8 @@
 import os
+import subprocess
+import sys
+import time
+import urllib.request
 
 import pytest
 import torch
@@ -17,3 +21,34 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def fake_server():
+    """``start(*args)`` runs mok-loadtest's fake server (loadtest/fake_server.py) on a free loopback
+    port with those options and returns (process, url); every one started is stopped after the test."""
+    from mok_serve import tiny_models
+    from mok_serve.server_process import free_port
+
+    procs = []
+
+    def start(*args):
+        port = free_port()
+        root = str(tiny_models.build_tiny_model())
+        p = subprocess.Popen([sys.executable, "-m", "mok_serve.loadtest.fake_server", "--port", str(port),
+                              "--root", root, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        procs.append(p)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                return p, f"http://127.0.0.1:{port}"
+            except OSError:
+                time.sleep(0.2)
+        raise RuntimeError("fake server did not start")
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)

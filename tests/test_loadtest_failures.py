@@ -6,40 +6,10 @@ import json
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 
-from mok_serve import tiny_models
-from mok_serve.server_process import free_port
-
 TOOL_TIMEOUT = 180  # the tool must finish well before this: "never hangs"
-
-
-@pytest.fixture
-def fake_server():
-    procs = []
-
-    def start(*args):
-        port = free_port()
-        root = str(tiny_models.build_tiny_model())
-        p = subprocess.Popen([sys.executable, "-m", "mok_serve.loadtest.fake_server", "--port", str(port),
-                              "--root", root, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        procs.append(p)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-                return p, f"http://127.0.0.1:{port}"
-            except OSError:
-                time.sleep(0.2)
-        raise RuntimeError("fake server did not start")
-
-    yield start
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait(10)
 
 
 def run_tool(tmp_path, *args):

@@ -1,9 +1,10 @@
 """mok-loadtest against real `mok-serve` CPU servers (the tiny model).
 
 1. the full comparison as a user runs it (the tool starts the stock and the kittens server);
-2. against one server, its figures agree with vLLM's own `vllm bench serve` on the same workload;
-3. the server is killed mid-run: errors counted, what happened reported, non-zero exit, no hang.
-Tests 2 and 3 share one server; 3 kills it, so it comes last.
+2. the server is killed mid-run: errors counted, what happened reported, non-zero exit, no hang.
+
+(Its figures against `vllm bench serve`'s: tests/test_loadtest_vs_vllm_bench.py, on a fake server
+whose pace is fixed.)
 """
 
 import json
@@ -18,7 +19,6 @@ import time
 import pytest
 
 from mok_serve import tiny_models
-from mok_serve.loadtest import cli as loadtest_cli
 from mok_serve.server_process import ServerProcess
 
 pytestmark = pytest.mark.server
@@ -92,63 +92,6 @@ def test_full_comparison_on_tiny_model(tmp_path):
 def server():
     with ServerProcess([str(tiny_models.build_tiny_model()), "--max-model-len", "1024"]) as s:
         yield s
-
-
-N, CONCURRENCY, IN_LEN, OUT_LEN = 32, 8, 64, 64
-
-
-def vllm_bench(url: str, model: str, seed: int) -> tuple[float, float]:
-    """vLLM's own serve benchmark (`vllm bench serve`), called in-process for its result dict
-    (the command itself runs in tests/test_cli_serving.py)."""
-    from vllm.benchmarks import serve as vllm_serve
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = FlexibleArgumentParser()
-    vllm_serve.add_cli_args(parser)
-    args = parser.parse_args([
-        "--base-url", url, "--model", model, "--dataset-name", "random", "--random-input-len", str(IN_LEN),
-        "--random-output-len", str(OUT_LEN), "--num-prompts", str(N), "--max-concurrency", str(CONCURRENCY),
-        "--ignore-eos", "--seed", str(seed), "--num-warmups", str(CONCURRENCY), "--disable-tqdm",
-    ])
-    r = vllm_serve.main(args)
-    assert r["completed"] == N
-    return float(r["output_throughput"]), float(r["mean_ttft_ms"])
-
-
-def ours(url: str, seed: int, out) -> tuple[float, float]:
-    code = loadtest_cli.main([
-        "serve", "--url", f"server={url}", "--concurrency", str(CONCURRENCY), "--request-rate", "",
-        "--num-requests", str(N), "--input-len", str(IN_LEN), "--output-len", str(OUT_LEN),
-        "--warmup", str(CONCURRENCY), "--seed", str(seed), "--out", str(out), "--no-progress", "--no-plots",
-    ])
-    assert code == 0
-    s = json.loads((out / "results.json").read_text())["targets"][0]["runs"][0]["summary"]
-    return s["output_throughput"], s["ttft"]["mean_ms"]
-
-
-def test_agrees_with_vllm_bench_serve(server, tmp_path):
-    model = str(tiny_models.build_tiny_model())
-    theirs_runs, ours_runs = [], []
-    # Interleaved rounds (A B B A ...). Load from other processes on a 2-core machine only ever
-    # slows a round down, and it can hit either tool: seen on a sandbox like CI's, 5-7 of 16 rounds
-    # at 25-65% of the others' rate with 4-20x their TTFT, which moved the medians of 8 rounds apart
-    # by 13-60%. So each tool's fastest round, its least disturbed, is compared. More rounds only
-    # if needed.
-    for i in range(8):
-        pair = [lambda: theirs_runs.append(vllm_bench(server.url, model, i)),
-                lambda: ours_runs.append(ours(server.url, i, tmp_path / f"r{i}"))]
-        for f in pair if i % 2 == 0 else pair[::-1]:
-            f()
-        if i >= 2:
-            tps_ratio = max(o[0] for o in ours_runs) / max(t[0] for t in theirs_runs)
-            ttft_ratio = min(o[1] for o in ours_runs) / min(t[1] for t in theirs_runs)
-            if abs(tps_ratio - 1) <= 0.10 and abs(ttft_ratio - 1) <= 0.20:
-                break
-    summary = (f"best rounds: mok-loadtest / vllm bench serve output tok/s {tps_ratio:.3f}, mean TTFT {ttft_ratio:.3f}; "
-               f"(tok/s, mean TTFT ms) per round: vllm bench serve {theirs_runs}, mok-loadtest {ours_runs}")
-    print(summary)
-    assert abs(tps_ratio - 1) <= 0.10, summary
-    assert abs(ttft_ratio - 1) <= 0.20, summary
 
 
 def test_server_killed_mid_run(server, tmp_path):
