@@ -144,10 +144,6 @@ SHAPES: dict[str, ModelShape] = {
 }
 
 
-def _quantized(name: str, kind: str) -> bool:
-    return kind == "linear"  # not routers, embedding, output head, norms or biases
-
-
 def weight_bytes(shape: ModelShape) -> int:
     """Bytes of the model's weights on the GPU: bf16, or e4m3 linear layers with an fp32 scale
     per 128x128 block."""
@@ -156,7 +152,7 @@ def weight_bytes(shape: ModelShape) -> int:
         n = 1
         for d in dims:
             n *= d
-        if shape.quantization and _quantized(name, kind):
+        if shape.quantization and kind == "linear":  # not routers, embedding, output head, norms
             bn, bk = shape.quantization["weight_block_size"]
             total += n * FP8_BYTES + -(-dims[0] // bn) * -(-dims[1] // bk) * SCALE_BYTES
         else:
@@ -187,8 +183,9 @@ def _config(shape: ModelShape, ids: dict[str, int]) -> dict[str, Any]:
     return d
 
 
-def build_model(shape_name: str, out: pathlib.Path, layers: int) -> pathlib.Path:
-    """Write the directory of ``shape_name`` cut to ``layers`` layers into ``out`` (created)."""
+def build_model(shape_name: str, out: pathlib.Path, layers: int) -> dict[str, Any]:
+    """Write the directory of ``shape_name`` cut to ``layers`` layers into ``out`` (created);
+    returns what ``mok_serve_shape.json`` there says of it."""
     shape = SHAPES[shape_name]
     if not 1 <= layers <= shape.num_layers:
         raise ValueError(f"{shape.name} has {shape.num_layers} layers; asked for {layers}")
@@ -207,7 +204,7 @@ def build_model(shape_name: str, out: pathlib.Path, layers: int) -> pathlib.Path
         "weights": "none: serve with --load-format dummy",
     }
     (out / "mok_serve_shape.json").write_text(json.dumps(info, indent=2) + "\n")
-    return out
+    return info
 
 
 HELP = """\
@@ -245,9 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         layers = args.layers or layers_that_fit(shape, args.weight_gib)
         out = args.out or tiny_models.default_cache_dir() / f"{shape.name}-{layers}l"
-        build_model(shape.name, out, layers)
+        info = build_model(shape.name, out, layers)
     except ValueError as e:
         parser.error(str(e))
-    gib = weight_bytes(shape.with_layers(layers)) / 2**30
+    gib = info["weight_bytes"] / 2**30
     print(f"{out}  ({layers} of {shape.num_layers} layers, {gib:.1f} GiB of weights; serve with --load-format dummy)")
     return 0

@@ -60,7 +60,9 @@ def test_layers_that_fit_the_budget():
 def test_build_model_writes_the_real_architecture(tmp_path):
     from transformers import AutoConfig, AutoTokenizer
 
-    out = shaped_models.build_model("deepseek-v3-fp8", tmp_path / "ds", 5)
+    out = tmp_path / "ds"
+    info = shaped_models.build_model("deepseek-v3-fp8", out, 5)
+    assert info["weight_bytes"] == shaped_models.weight_bytes(shaped_models.SHAPES["deepseek-v3-fp8"].with_layers(5))
     config = AutoConfig.from_pretrained(out)
     assert config.model_type == "deepseek_v3" and config.num_hidden_layers == 5
     assert (config.hidden_size, config.moe_intermediate_size, config.n_routed_experts) == (7168, 2048, 256)
@@ -92,7 +94,8 @@ def test_vllm_serves_one_layer_with_dummy_weights(tmp_path):
     # DeepSeek-V3 shape cut to its first, dense, layer served the same way on this CPU too; its
     # MoE layers, 22 GB each in bf16, do not fit here: the GPU runs them.)
     name = "qwen3-30b-a3b"
-    out = shaped_models.build_model(name, tmp_path / name, 1)
+    out = tmp_path / name
+    shaped_models.build_model(name, out, 1)
     args = [str(out), "--load-format", "dummy", "--max-model-len", "1024"]
     with ServerProcess(args, env={"VLLM_CPU_KVCACHE_SPACE": "2"}, startup_timeout=900) as server:
         import httpx
