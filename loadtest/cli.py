@@ -20,11 +20,13 @@ import datetime
 import importlib
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import shlex
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +54,88 @@ def _csv_floats(text: str) -> list[float]:
     if any(v <= 0 for v in vals):
         raise argparse.ArgumentTypeError("request rates must be > 0")
     return vals
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+@dataclass
+class Workload:
+    """Prompt and output lengths, and the runs made with them: one per concurrency, one per rate."""
+
+    input_len: int
+    output_len: int
+    concurrency: list[int]
+    request_rate: list[float]
+
+
+# The options that describe the single workload of an invocation without --workload, with their
+# defaults. Their parser defaults are None so that an explicit value can be told from none.
+SINGLE_WORKLOAD_OPTIONS = {
+    "input_len": ("--input-len", 128),
+    "output_len": ("--output-len", 64),
+    "concurrency": ("--concurrency", [1, 4, 16]),
+    "request_rate": ("--request-rate", [8.0]),
+}
+WORKLOAD_SYNTAX = "IN:OUT[:c=LIST][:rate=LIST]"
+
+
+def parse_workload(text: str) -> Workload:
+    """``IN:OUT[:c=LIST][:rate=LIST]``, e.g. ``512:256:c=1,8,32:rate=30``. Without c= and rate=,
+    the runs of the single-workload defaults (c=1,4,16 and rate=8); with either, only those."""
+    def bad(why: str) -> argparse.ArgumentTypeError:
+        return argparse.ArgumentTypeError(f"bad workload {text!r}: {why} (expected {WORKLOAD_SYNTAX}, "
+                                          "e.g. 512:256:c=1,8,32:rate=30)")
+
+    parts = text.split(":")
+    if len(parts) < 2:
+        raise bad("no IN:OUT")
+    try:
+        input_len, output_len = int(parts[0]), int(parts[1])
+    except ValueError:
+        raise bad("IN and OUT must be integers") from None
+    if input_len < 1 or output_len < 1:
+        raise bad("IN and OUT must be >= 1")
+    fields: dict[str, list] = {}
+    for part in parts[2:]:
+        key, eq, values = part.partition("=")
+        parse = {"c": _csv_ints, "rate": _csv_floats}.get(key)
+        if not eq or parse is None:
+            raise bad(f"unknown field {part!r}")
+        if key in fields:
+            raise bad(f"{key}= given twice")
+        try:
+            fields[key] = parse(values)
+        except argparse.ArgumentTypeError as e:
+            raise bad(str(e)) from None
+        if not fields[key]:
+            raise bad(f"{key}= lists no value")
+    if not fields:
+        fields = {"c": list(SINGLE_WORKLOAD_OPTIONS["concurrency"][1]),
+                  "rate": list(SINGLE_WORKLOAD_OPTIONS["request_rate"][1])}
+    return Workload(input_len, output_len, fields.get("c", []), fields.get("rate", []))
+
+
+def workloads_of(args) -> list[Workload]:
+    """The invocation's workloads: those of --workload, or the one of --input-len, --output-len,
+    --concurrency and --request-rate (defaults filled in ``args``). ValueError when both are given."""
+    given = [flag for dest, (flag, _) in SINGLE_WORKLOAD_OPTIONS.items() if getattr(args, dest) is not None]
+    if args.workload:
+        if given:
+            raise ValueError(f"--workload cannot be combined with {', '.join(given)}: each --workload SPEC gives "
+                             f"its own lengths and runs ({WORKLOAD_SYNTAX})")
+        return args.workload
+    for dest, (_, default) in SINGLE_WORKLOAD_OPTIONS.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, list(default) if isinstance(default, list) else default)
+    return [Workload(args.input_len, args.output_len, args.concurrency, args.request_rate)]
 
 
 def _name_value(text: str) -> tuple[str, str]:
@@ -109,20 +193,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     g = s.add_argument_group("workload (the same seeded requests go to every server)")
-    g.add_argument("--input-len", type=int, default=128, help="random prompt length in tokens (default: %(default)s)")
     g.add_argument(
-        "--output-len", type=int, default=64,
-        help="output tokens per request (max_tokens; exact with ignore_eos) (default: %(default)s)",
+        "--workload", action="append", type=parse_workload, default=[], metavar="SPEC",
+        help=f"a workload, {WORKLOAD_SYNTAX}: IN-token prompts, OUT output tokens, one run per concurrency "
+        "of c=LIST and one Poisson run per rate of rate=LIST (LIST comma-separated; with neither, "
+        "c=1,4,16 and rate=8). Repeat for several workloads: each server runs every run of every workload, "
+        "in the order given, before the next server starts (one server start for all). Run names then start "
+        "with IN/OUT (e.g. '512/256 c=8'). Replaces --input-len, --output-len, --concurrency and "
+        "--request-rate, which cannot be given with it. E.g. --workload 512:256:c=1,8,32,128,256:rate=30 "
+        "--workload 4096:64:c=1,32",
+    )
+    g.add_argument("--input-len", type=int, default=None, help="random prompt length in tokens (default: 128)")
+    g.add_argument(
+        "--output-len", type=int, default=None,
+        help="output tokens per request (max_tokens; exact with ignore_eos) (default: 64)",
     )
     g.add_argument(
         "--range-ratio", type=float, default=0.0,
-        help="draw input and output lengths uniformly from len*(1-r)..len*(1+r) (default: %(default)s = fixed)",
+        help="draw input and output lengths uniformly from len*(1-r)..len*(1+r), in every workload "
+        "(default: %(default)s = fixed)",
     )
     g.add_argument(
         "--dataset", default=None, metavar="FILE",
         help="prompts from a file instead of random tokens: .jsonl (objects with 'prompt' or 'text', "
         "optional 'output_len'/'max_tokens'), .json (list of strings or such objects), or text with one "
-        "prompt per line. Prompts are drawn in a seeded order and repeated if the file is short",
+        "prompt per line. Prompts are drawn in a seeded order and repeated if the file is short. The output "
+        "length where the file gives none is --output-len, or each workload's OUT (its IN is then unused)",
     )
     g.add_argument(
         "--tokenizer", default=None,
@@ -131,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--prompt-format", choices=("text", "ids"), default="text",
-        help="random prompts as text that re-encodes to --input-len tokens (as vllm bench serve's random "
+        help="random prompts as text that re-encodes to --input-len (or the workload's IN) tokens (as vllm bench "
+        "serve's random "
         "dataset; the server tokenizes it) or as token-id lists (no tokenization) (default: %(default)s)",
     )
     g.add_argument("--seed", type=int, default=0, help="workload seed (prompts, Poisson arrivals) (default: %(default)s)")
@@ -147,12 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = s.add_argument_group("runs")
     g.add_argument(
-        "--concurrency", type=_csv_ints, default=[1, 4, 16], metavar="LIST",
+        "--concurrency", type=_csv_ints, default=None, metavar="LIST",
         help="concurrency sweep: one run per value, all requests queued at once with at most this many in "
         "flight (vllm bench serve --max-concurrency with --request-rate inf) (default: 1,4,16)",
     )
     g.add_argument(
-        "--request-rate", type=_csv_floats, default=[8.0], metavar="LIST",
+        "--request-rate", type=_csv_floats, default=None, metavar="LIST",
         help="Poisson runs: one per rate in requests/s (vllm bench serve --request-rate, --burstiness 1); "
         "pass --request-rate '' for none (default: 8)",
     )
@@ -165,6 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="gamma shape of the inter-arrival times; 1 = Poisson (default: %(default)s)",
     )
     g.add_argument("--num-requests", type=int, default=48, metavar="N", help="measured requests per run (default: %(default)s)")
+    g.add_argument(
+        "--requests-per-stream", type=_non_negative_float, default=0.0, metavar="K",
+        help="fixed-concurrency runs send max(--num-requests, ceil(K x concurrency)) measured requests, so "
+        "that a high concurrency gets enough requests and a low one does not take all night; Poisson runs "
+        "keep --num-requests (default: %(default)s = off)",
+    )
     g.add_argument(
         "--warmup", type=int, default=None, metavar="N",
         help="warm-up requests before each run, sent at the run's concurrency and excluded from every "
@@ -216,15 +319,27 @@ loopback port), runs every run against it, stops it, and goes on to the next. Wi
 targets running loopback servers instead.
 
 Runs: one per --concurrency value (all requests queued, at most N in flight) and one per
---request-rate value (Poisson arrivals). Each run: warm-up requests (excluded), then
---num-requests measured requests, bounded by --max-duration and --request-timeout.
+--request-rate value (Poisson arrivals), with prompts of --input-len tokens and --output-len
+output tokens. Each run: warm-up requests (excluded), then --num-requests measured requests (with
+--requests-per-stream K, max(--num-requests, ceil(K x concurrency)) in fixed-concurrency runs),
+bounded by --max-duration and --request-timeout.
+
+Several workloads against one server start: --workload IN:OUT[:c=LIST][:rate=LIST], repeated,
+instead of --input-len, --output-len, --concurrency and --request-rate. Each server runs every
+run of every workload in the order given; run names start with IN/OUT, e.g.
+  --workload 512:256:c=1,8,32,128,256:rate=30 --workload 4096:64:c=1,32
+gives the runs '512/256 c=1' ... '512/256 rate=30', '4096/64 c=1', '4096/64 c=32'. Every run
+has its own seed: no prompt repeats, so no prefix-cache hits between runs.
+
 Requests: streamed POST /v1/completions with ignore_eos (vLLM's extra body field) so that
 input and output lengths are exact.
 
 Measured as `vllm bench serve` measures (same definitions): TTFT, TPOT, ITL, end-to-end latency
 per request; per run request throughput, output and total tokens/s, mean/p50/p90/p99, errors.
 Per-layer MoE timing: GET /v1/kittens/layers after each run (POST .../reset before it), when the
-server has the route.
+server has the route. From it, per run: forward steps (calls of the first MoE layer), tokens per
+step, wall ms per step, MoE ms per step (sum over the layers of the mean sampled latency, the
+slowest rank's) and the MoE share of the step (an estimate: see report.md).
 
 Bunched streams: a request whose tokens reached the client in bursts ({MIN_TOKENS_PER_ARRIVAL:g} or more tokens per
 arrival on average; chunks less than {BURST_GAP_S * 1e3:g} ms apart are one arrival) is counted as bunched, as its
@@ -234,7 +349,7 @@ more, those figures (and peak tok/s) are marked ⚠ as distorted and their ratio
 Results folder: results.json (every request, every summary, the per-layer JSON), report.md
 (side-by-side tables, candidate/baseline ratios, what went wrong, bunched streams),
 throughput.png, latency.png (TTFT, TPOT, ITL, E2E percentiles against concurrency and request
-rate) and layers.png (when per-layer timing was available). A one-screen summary is printed at
+rate; with several workloads, panels per workload) and layers.png (when per-layer timing was available). A one-screen summary is printed at
 the end.
 
 Exit status: 0 when every request of every run succeeded; 1 when any request failed, a server
@@ -264,21 +379,36 @@ def _environment() -> dict[str, Any]:
     return env
 
 
-def _specs(args) -> list:
+def _specs(args, workloads: list[Workload]) -> list:
+    """The runs of every workload, in order. Names and seeds of a single workload are those of the
+    tool before --workload existed; each further workload's seeds are a million further on."""
     from .runner import RunSpec
 
     specs = []
-    for i, c in enumerate(args.concurrency):
-        warm = args.warmup if args.warmup is not None else max(2, c)
-        specs.append(RunSpec(f"c={c}", c, float("inf"), args.num_requests, warm, args.seed + 1000 * (i + 1)))
-    for j, r in enumerate(args.request_rate):
-        warm = args.warmup if args.warmup is not None else 4
-        name = f"rate={r:g}" + (f",c={args.rate_max_concurrency}" if args.rate_max_concurrency else "")
-        specs.append(RunSpec(name, args.rate_max_concurrency, r, args.num_requests, warm, args.seed + 100000 + 1000 * j))
+    for w_index, w in enumerate(workloads):
+        prefix = f"{w.input_len}/{w.output_len} " if len(workloads) > 1 else ""
+        seed = args.seed + 1_000_000 * w_index
+        # With a dataset the prompts come from the file: no prompt length to state.
+        lens = {"input_len": None if args.dataset else w.input_len, "output_len": w.output_len}
+        for i, c in enumerate(w.concurrency):
+            warm = args.warmup if args.warmup is not None else max(2, c)
+            specs.append(RunSpec(f"{prefix}c={c}", c, float("inf"), _fixed_concurrency_requests(args, c), warm,
+                                 seed + 1000 * (i + 1), **lens))
+        for j, r in enumerate(w.request_rate):
+            warm = args.warmup if args.warmup is not None else 4
+            name = f"{prefix}rate={r:g}" + (f",c={args.rate_max_concurrency}" if args.rate_max_concurrency else "")
+            specs.append(RunSpec(name, args.rate_max_concurrency, r, args.num_requests, warm,
+                                 seed + 100000 + 1000 * j, **lens))
     return specs
 
 
-def _workloads(args, specs, vocab, dataset, tokenizer=None) -> dict[str, tuple[list, list]]:
+def _fixed_concurrency_requests(args, concurrency: int) -> int:
+    # Rounded before ceil: 0.1 x 30 is 3.0000000000000004 in binary floating point.
+    return max(args.num_requests, math.ceil(round(args.requests_per_stream * concurrency, 9)))
+
+
+def _work_items(args, specs, vocab, dataset, tokenizer=None) -> dict[str, tuple[list, list]]:
+    """(warm-up, measured) requests of each run, by run name."""
     from . import workload
 
     out = {}
@@ -287,8 +417,8 @@ def _workloads(args, specs, vocab, dataset, tokenizer=None) -> dict[str, tuple[l
             if n <= 0:
                 return []
             if dataset is not None:
-                return workload.dataset_workload(dataset, n, args.output_len, seed)
-            return workload.random_workload(n, args.input_len, args.output_len, vocab, seed, args.range_ratio,
+                return workload.dataset_workload(dataset, n, spec.output_len, seed)
+            return workload.random_workload(n, spec.input_len, spec.output_len, vocab, seed, args.range_ratio,
                                             tokenizer if args.prompt_format == "text" else None)
 
         # Distinct seeds per run and for warm-up: no prompt repeats, so no prefix-cache hits.
@@ -297,7 +427,7 @@ def _workloads(args, specs, vocab, dataset, tokenizer=None) -> dict[str, tuple[l
 
 
 class _Progress:
-    """A bar of measured requests (total: requests per run x runs x servers) with its own ETA.
+    """A bar of measured requests (total: the runs' measured requests x servers) with its own ETA.
 
     tqdm's ETA divides by a moving average of the time between updates, so the minutes of a
     server start before the next run's first request read as the pace of one request ("4:32:11"
@@ -367,13 +497,12 @@ class _Progress:
             self.bar.close()
 
 
-def _run_all(args, targets_cfg: list[dict[str, Any]], results: dict[str, Any], progress: _Progress) -> None:
+def _run_all(args, specs: list, targets_cfg: list[dict[str, Any]], results: dict[str, Any], progress: _Progress) -> None:
     """Start (or reach) each server in turn and run every spec against it."""
     from mok_serve.server_process import ServerError, ServerProcess
 
-    from . import client, runner, workload
+    from . import runner, workload
 
-    specs = _specs(args)
     opts = runner.Options(
         ignore_eos=args.ignore_eos,
         extra_body={"temperature": args.temperature} if args.temperature is not None else None,
@@ -433,7 +562,7 @@ def _run_all(args, targets_cfg: list[dict[str, Any]], results: dict[str, Any], p
                     _skip_all(tres, specs, "no tokenizer", progress)
                     continue
                 results["config"]["tokenizer"] = str(tok)
-            loads = _workloads(args, specs, vocab, dataset, tokenizer)
+            loads = _work_items(args, specs, vocab, dataset, tokenizer)
 
             def cb(run_name, rec, _t=tres["name"]):
                 progress.set(f"{_t} {run_name}")
@@ -454,6 +583,25 @@ def _run_all(args, targets_cfg: list[dict[str, Any]], results: dict[str, Any], p
         finally:
             if server is not None:
                 server.stop()
+
+
+def _workload_description(args, workloads: list[Workload], specs: list) -> str:
+    """'random 128 in / 64 out tokens (text prompts); runs c=1, c=4; 48 requests per run', a
+    description and runs per workload, then the request counts."""
+    parts = []
+    runs = iter(specs)  # a workload's runs follow those of the workloads before it
+    for w in workloads:
+        if args.dataset:
+            parts.append(f"prompts from {args.dataset}, {w.output_len} output tokens")
+        else:
+            parts.append(f"random {w.input_len} in / {w.output_len} out tokens ({args.prompt_format} prompts)")
+        parts.append("runs " + ", ".join(next(runs).name for _ in w.concurrency + w.request_rate))
+    if args.requests_per_stream:
+        parts.append(f"measured requests per run: max({args.num_requests}, ceil({args.requests_per_stream:g} x "
+                     f"concurrency)) at fixed concurrency, {args.num_requests} in Poisson runs")
+    else:
+        parts.append(f"{args.num_requests} requests per run")
+    return "; ".join(parts)
 
 
 def _skip_all(tres, specs, reason, progress) -> None:
@@ -491,6 +639,21 @@ def serve_main(args, argv: list[str]) -> int:
     from . import client, report
     from .plots import write_plots
 
+    try:
+        workloads = workloads_of(args)
+    except ValueError as e:
+        print(f"mok-loadtest: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.num_requests < 1 or any(w.input_len < 1 or w.output_len < 1 for w in workloads):
+        print("mok-loadtest: --num-requests, --input-len and --output-len must be >= 1", file=sys.stderr)
+        return EXIT_USAGE
+    specs = _specs(args, workloads)
+    run_names = [s.name for s in specs]
+    if len(set(run_names)) != len(run_names):  # runs, their requests and their reports go by name
+        twice = sorted({n for n in run_names if run_names.count(n) > 1})
+        print(f"mok-loadtest: run names must differ, these come twice: {twice}", file=sys.stderr)
+        return EXIT_USAGE
+
     if args.url:
         try:
             targets = [{"name": n, "url": client.check_loopback(u), "moe_backend": None} for n, u in args.url]
@@ -520,9 +683,6 @@ def serve_main(args, argv: list[str]) -> int:
     if not targets:
         print("mok-loadtest: no server to test", file=sys.stderr)
         return EXIT_USAGE
-    if args.num_requests < 1 or args.input_len < 1 or args.output_len < 1:
-        print("mok-loadtest: --num-requests, --input-len and --output-len must be >= 1", file=sys.stderr)
-        return EXIT_USAGE
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     folder = Path(args.out or f"mok-loadtest-results/{stamp}").resolve()
     folder.mkdir(parents=True, exist_ok=True)
@@ -530,11 +690,6 @@ def serve_main(args, argv: list[str]) -> int:
     if baseline not in names:
         print(f"mok-loadtest: --baseline {baseline!r} is not one of {names}", file=sys.stderr)
         return EXIT_USAGE
-    if args.dataset:
-        desc = f"prompts from {args.dataset}, {args.output_len} output tokens"
-    else:
-        desc = f"random {args.input_len} in / {args.output_len} out tokens ({args.prompt_format} prompts)"
-    runs_desc = ", ".join(s.name for s in _specs(args))
     results: dict[str, Any] = {
         "tool": "mok-loadtest serve",
         "started": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -542,22 +697,22 @@ def serve_main(args, argv: list[str]) -> int:
         "environment": _environment(),
         "config": {
             "command": "mok-loadtest " + shlex.join(argv),
-            "args": {k: v for k, v in vars(args).items() if k != "url"},
+            "args": {k: v for k, v in vars(args).items() if k not in ("url", "workload")},
             "urls": dict(args.url),
+            "workloads": [asdict(w) for w in workloads],
             "model": model,
             "baseline": baseline,
             "seed": args.seed,
             "ignore_eos": args.ignore_eos,
-            "workload_description": f"{desc}; runs {runs_desc}; {args.num_requests} requests per run",
+            "workload_description": _workload_description(args, workloads, specs),
             "metric_definitions": "vllm bench serve (vLLM 0.32 benchmarks/serve.py); see mok_serve.loadtest.metrics",
         },
         "targets": [],
     }
-    specs = _specs(args)
     started = sum(1 for t in targets if t["moe_backend"] is not None)
     progress = _Progress(sum(s.num_requests for s in specs) * len(targets), args.progress, started)
     try:
-        _run_all(args, targets, results, progress)
+        _run_all(args, specs, targets, results, progress)
     except KeyboardInterrupt:
         results["interrupted"] = True
         for t in results["targets"]:

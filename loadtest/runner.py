@@ -19,7 +19,9 @@ LAYERS_PATH = "/v1/kittens/layers"
 
 @dataclass
 class RunSpec:
-    """One measured run: a fixed concurrency (rate inf) or Poisson arrivals at ``rate``."""
+    """One measured run: a fixed concurrency (rate inf) or Poisson arrivals at ``rate``, of
+    prompts of ``input_len`` tokens (None: prompts from a dataset file) and ``output_len`` output
+    tokens (where a dataset entry gives none)."""
 
     name: str
     concurrency: int | None
@@ -27,6 +29,8 @@ class RunSpec:
     num_requests: int
     warmup: int
     seed: int
+    input_len: int | None
+    output_len: int
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -1,0 +1,119 @@
+"""mok-loadtest serve without servers: --workload SPEC parsing, run names, seeds and request
+counts per run, the clash with the single-workload options, and the MoE share of a run."""
+
+import argparse
+
+import pytest
+
+from mok_serve.loadtest import cli
+
+
+def parse(*argv):
+    return cli.build_parser().parse_args(["serve", *argv])
+
+
+def specs(*argv):
+    args = parse(*argv)
+    return cli._specs(args, cli.workloads_of(args))
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("512:256:c=1,8,32,128,256:rate=30", cli.Workload(512, 256, [1, 8, 32, 128, 256], [30.0])),
+    ("4096:64:c=1,32", cli.Workload(4096, 64, [1, 32], [])),
+    ("16:8:rate=2.5,10", cli.Workload(16, 8, [], [2.5, 10.0])),
+    ("16:8:rate=4:c=2", cli.Workload(16, 8, [2], [4.0])),
+    ("16:8", cli.Workload(16, 8, [1, 4, 16], [8.0])),  # the single-workload default runs
+])
+def test_workload_spec(text, expected):
+    assert cli.parse_workload(text) == expected
+
+
+@pytest.mark.parametrize("text,why", [
+    ("512", "no IN:OUT"),
+    ("512:x", "IN and OUT must be integers"),
+    ("0:8", "IN and OUT must be >= 1"),
+    ("16:8:c=1,a", "expected comma-separated integers"),
+    ("16:8:c=0", "concurrency values must be >= 1"),
+    ("16:8:rate=-1", "request rates must be > 0"),
+    ("16:8:c=", "c= lists no value"),
+    ("16:8:c=1:c=2", "c= given twice"),
+    ("16:8:n=4", "unknown field 'n=4'"),
+    ("16:8:c", "unknown field 'c'"),
+])
+def test_bad_workload_spec_is_an_argparse_error_naming_the_text(capsys, text, why):
+    with pytest.raises(argparse.ArgumentTypeError, match=why):
+        cli.parse_workload(text)
+    with pytest.raises(SystemExit) as exc:
+        parse("--workload", text)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"argument --workload: bad workload {text!r}: {why}" in err
+
+
+def test_one_workload_keeps_the_names_and_seeds_of_the_single_workload_options():
+    got = specs("--input-len", "32", "--output-len", "8", "--concurrency", "1,4", "--request-rate", "2",
+                "--seed", "5")
+    assert [(s.name, s.seed, s.input_len, s.output_len) for s in got] == [
+        ("c=1", 1005, 32, 8), ("c=4", 2005, 32, 8), ("rate=2", 100005, 32, 8)]
+    default = specs()
+    assert [s.name for s in default] == ["c=1", "c=4", "c=16", "rate=8"]
+    assert {(s.input_len, s.output_len) for s in default} == {(128, 64)}
+    assert [s.name for s in specs("--workload", "32:8:c=1,4:rate=2")] == ["c=1", "c=4", "rate=2"]
+
+
+def test_several_workloads_run_in_order_with_prefixed_names_and_distinct_seeds():
+    got = specs("--workload", "512:256:c=1,8:rate=30", "--workload", "4096:64:c=1,32", "--rate-max-concurrency", "64")
+    assert [s.name for s in got] == ["512/256 c=1", "512/256 c=8", "512/256 rate=30,c=64", "4096/64 c=1",
+                                     "4096/64 c=32"]
+    assert [(s.input_len, s.output_len) for s in got] == [(512, 256)] * 3 + [(4096, 64)] * 2
+    assert [s.concurrency for s in got] == [1, 8, 64, 1, 32] and [s.warmup for s in got] == [2, 8, 4, 2, 32]
+    # Measured and warm-up seeds (seed, seed + 1) and arrival seeds all differ: no prompt is reused.
+    seeds = [s.seed + k for s in got for k in (0, 1, 7)]
+    assert len(set(seeds)) == len(seeds)
+    assert got[0].to_dict() == {"name": "512/256 c=1", "concurrency": 1, "rate": None, "num_requests": 48,
+                                "warmup": 2, "seed": 1000, "input_len": 512, "output_len": 256}
+
+
+def test_requests_per_stream_scales_fixed_concurrency_runs_only():
+    got = specs("--workload", "16:8:c=1,8,30,256:rate=5", "--num-requests", "1", "--requests-per-stream", "0.1")
+    assert [s.num_requests for s in got] == [1, 1, 3, 26, 1]  # 0.1 x 30 = 3, not 4
+    got = specs("--concurrency", "1,8,256", "--request-rate", "5", "--num-requests", "20", "--requests-per-stream", "2.5")
+    assert [s.num_requests for s in got] == [20, 20, 640, 20]
+    assert [s.num_requests for s in specs("--concurrency", "256", "--num-requests", "20",
+                                                 "--request-rate", "")] == [20]  # off by default
+    with pytest.raises(SystemExit):
+        parse("--requests-per-stream", "-1")
+
+
+@pytest.mark.parametrize("clash", [["--input-len", "128"], ["--output-len", "9"], ["--concurrency", "2"],
+                                   ["--request-rate", ""]])
+def test_workload_with_a_single_workload_option_is_a_usage_error(capsys, clash):
+    code = cli.main(["serve", "--url", "x=http://127.0.0.1:9", "--workload", "16:8:c=1", *clash, "--no-progress"])
+    assert code == cli.EXIT_USAGE
+    assert f"--workload cannot be combined with {clash[0]}" in capsys.readouterr().err
+
+
+def test_runs_with_the_same_name_are_a_usage_error(capsys):
+    code = cli.main(["serve", "--url", "x=http://127.0.0.1:9", "--workload", "16:8:c=1", "--workload", "16:8:c=1,2",
+                     "--no-progress"])
+    assert code == cli.EXIT_USAGE and "['16/8 c=1']" in capsys.readouterr().err
+
+
+def test_workload_description_names_each_workload_and_the_request_counts():
+    args = parse("--workload", "512:256:c=1:rate=3", "--workload", "4096:64:c=32", "--requests-per-stream", "2")
+    workloads = cli.workloads_of(args)
+    assert cli._workload_description(args, workloads, cli._specs(args, workloads)) == (
+        "random 512 in / 256 out tokens (text prompts); runs 512/256 c=1, 512/256 rate=3; "
+        "random 4096 in / 64 out tokens (text prompts); runs 4096/64 c=32; "
+        "measured requests per run: max(48, ceil(2 x concurrency)) at fixed concurrency, 48 in Poisson runs")
+    args = parse()
+    workloads = cli.workloads_of(args)
+    assert cli._workload_description(args, workloads, cli._specs(args, workloads)) == (
+        "random 128 in / 64 out tokens (text prompts); runs c=1, c=4, c=16, rate=8; 48 requests per run")
+
+
+def test_serve_help_lists_the_new_options(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--workload SPEC" in text and "IN:OUT[:c=LIST][:rate=LIST]" in text
+    assert "--requests-per-stream K" in text and "max(--num-requests, ceil(K x concurrency))" in text
