@@ -26,7 +26,7 @@ from aiohttp import web
 
 
 def make_app(args) -> web.Application:
-    state = {"n": 0, "layer_calls": 0, "inflight": 0}
+    state = {"n": 0, "inflight": 0, "tokens": 0, "window_started": time.time()}
 
     async def health(request):
         return web.Response(text="")
@@ -39,22 +39,12 @@ def make_app(args) -> web.Application:
     async def layers(request):
         if not args.layers:
             raise web.HTTPNotFound()
-        state["layer_calls"] += 1
-        return web.json_response(
-            {
-                "backend": "fake",
-                "window": 100,
-                "layers": [
-                    {"layer": f"model.layers.{i}.mlp.experts", "rank": 0, "calls": 10 * state["layer_calls"],
-                     "tokens": 1000, "latency_us": {"mean": 100.0 + 10 * i, "p50": 90.0 + 10 * i, "p99": 200.0}}
-                    for i in range(2)
-                ],
-            }
-        )
+        return web.json_response(fake_layers_document(state["tokens"], time.time() - state["window_started"]))
 
     async def layers_reset(request):
         if not args.layers:
             raise web.HTTPNotFound()
+        state["tokens"], state["window_started"] = 0, time.time()
         return web.json_response({"ok": True})
 
     async def completions(request):
@@ -98,6 +88,7 @@ def make_app(args) -> web.Application:
             if args.stall_after and n > args.stall_after and i == max_tokens // 2:
                 await asyncio.sleep(3600)
             await resp.write(sse_chunk(n, f" t{i}"))
+            state["tokens"] += 1
             await asyncio.sleep(args.token_gap)
 
     async def bunched_tokens(resp, n, max_tokens):
@@ -106,6 +97,7 @@ def make_app(args) -> web.Application:
         await asyncio.sleep(args.token_gap * max_tokens)
         texts = [f" t{i}" for i in range(max_tokens)]
         await resp.write(b"".join(sse_chunk(n, t) for t in (["".join(texts)] if args.bunch_merged else texts)))
+        state["tokens"] += max_tokens
 
     async def whole_completion(body, n, prompt, prompt_len, max_tokens, inflight):
         await asyncio.sleep(args.ttft + args.token_gap * max_tokens / 2)
@@ -148,6 +140,32 @@ def make_app(args) -> web.Application:
     return app
 
 
+def fake_layers_document(tokens: int, seconds: float, num_layers: int = 2) -> dict:
+    """GET /v1/kittens/layers as mok-serve answers it (server/stats.py), for a server whose every
+    streamed token is a forward step of one token through each MoE layer, taking 0.1 ms + 0.01 ms
+    per layer index."""
+    def latency(i):
+        mean = 0.1 + 0.01 * i
+        return {"mean": mean, "p50": mean, "p90": mean, "p99": mean, "max": mean, "samples": tokens} if tokens else None
+
+    rank = {"rank": 0, "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "ep_rank": 0, "ep_size": 1, "pid": os.getpid()}
+    return {
+        "object": "kittens.layers", "backend": "fake",
+        "timing": {"enabled": True, "sample_every": 1, "window_calls": 1024},
+        "window": {"started_at": time.time() - seconds, "seconds": seconds,
+                   "latency": "last window_calls sampled calls since started_at", "counts": "every call since started_at"},
+        "clock": "host steady_clock", "max_cudagraph_capture_size": None, "ranks": [rank], "num_layers": num_layers,
+        "layers": [{"index": i, "name": f"model.layers.{i}.mlp.experts", "num_experts": 4, "top_k": 1,
+                    "ep_imbalance": 1.0 if tokens else None,
+                    "ranks": [{"rank": 0, "ep_rank": 0, "ep_size": 1, "experts_class": "FakeExperts",
+                               "local_experts": [0, 1, 2, 3], "calls": tokens, "tokens": tokens,
+                               "sampled_calls": tokens, "latency_ms": latency(i), "phases_ms": None,
+                               "expert_tokens": [tokens, 0, 0, 0], "local_expert_tokens": tokens,
+                               "imbalance": 4.0 if tokens else None}]}
+                   for i in range(num_layers)],
+    }
+
+
 def sse_chunk(n: int, text: str) -> bytes:
     chunk = {"id": f"cmpl-{n}", "object": "text_completion", "created": int(time.time()),
              "model": "fake-model", "choices": [{"index": 0, "text": text, "finish_reason": None}]}
@@ -168,7 +186,8 @@ def main(argv=None) -> int:
     p.add_argument("--token-gap", type=float, default=0.002, help="seconds between streamed tokens")
     p.add_argument("--ttft", type=float, default=0.005, help="seconds before the first token")
     p.add_argument("--root", default="", help="the 'root' reported by /v1/models (a tokenizer path)")
-    p.add_argument("--layers", action="store_true", help="serve a fake GET /v1/kittens/layers")
+    p.add_argument("--layers", action="store_true",
+                   help="serve a fake GET /v1/kittens/layers (mok-serve's schema; a step per streamed token)")
     p.add_argument("--batch-variance", choices=("none", "logprobs", "tokens"), default="none",
                    help="non-streamed answers: with more than one request in flight, shift the logprobs or "
                    "change the last token (default: none, a function of the prompt only)")

@@ -165,3 +165,41 @@ def ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or b == 0 or (isinstance(b, float) and math.isnan(b)):
         return None
     return a / b
+
+
+MOE_KEYS = ("steps", "tokens_per_step", "step_ms", "moe_ms_per_step", "moe_share")
+
+
+def moe_step_share(doc: Any) -> dict[str, float | None]:
+    """The MoE layers' share of a forward step over a run, from its ``GET /v1/kittens/layers``
+    document (schema in server/stats.py; any other document gives only None):
+
+    - steps: calls of the first MoE layer on rank 0 (every forward step calls each MoE layer once);
+    - tokens_per_step: that layer's tokens on rank 0 / steps;
+    - step_ms: the window's wall seconds x 1000 / steps (host gaps and idle time included);
+    - moe_ms_per_step: the sum over layers of the mean sampled latency, the slowest rank's (ranks
+      wait for each other at every layer);
+    - moe_share: moe_ms_per_step / step_ms.
+
+    An estimate: the latency means cover the last sampled calls, the steps all of the window."""
+    out: dict[str, float | None] = dict.fromkeys(MOE_KEYS)
+    layers = doc.get("layers") if isinstance(doc, dict) else None
+    if not isinstance(layers, list) or not layers or not all(isinstance(l, dict) and l.get("ranks") for l in layers):
+        return out
+    first = min(layers, key=lambda l: l.get("index", 0))
+    rank0 = min(first["ranks"], key=lambda r: r.get("rank", 0))
+    steps = rank0.get("calls")
+    if not steps:
+        return out
+    out["steps"] = steps
+    if rank0.get("tokens") is not None:
+        out["tokens_per_step"] = rank0["tokens"] / steps
+    seconds = (doc.get("window") or {}).get("seconds")
+    if seconds:
+        out["step_ms"] = seconds * 1000 / steps
+    timing_on = (doc.get("timing") or {}).get("enabled", True)
+    per_layer = [[(r.get("latency_ms") or {}).get("mean") for r in l["ranks"]] for l in layers]
+    if timing_on and all(m is not None for means in per_layer for m in means):
+        out["moe_ms_per_step"] = sum(max(means) for means in per_layer)
+        out["moe_share"] = ratio(out["moe_ms_per_step"], out["step_ms"])
+    return out

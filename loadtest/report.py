@@ -33,6 +33,21 @@ DETAIL = [
     for s in ("mean", "p50", "p90", "p99")
 ]
 
+# (label, key in a run's "moe" (metrics.moe_step_share), format, ratio shown) for the detail
+# table. The share is a server's own: its ratio between servers would say nothing more.
+MOE_DETAIL = [
+    ("steps", "steps", "{:.0f}", False),
+    ("tokens per step", "tokens_per_step", "{:.1f}", False),
+    ("step ms", "step_ms", "{:.2f}", False),
+    ("MoE ms per step", "moe_ms_per_step", "{:.3f}", True),
+    ("MoE share", "moe_share", "{:.1%}", False),
+]
+MOE_SHARE_NOTE = (
+    "MoE share = MoE ms per step (sum over the MoE layers of their mean latency, slowest rank) / step ms "
+    "(the run's wall time per forward step): an estimate, as the latency means cover only the last sampled "
+    "calls and the wall time includes host gaps between steps (and idle time in Poisson runs)."
+)
+
 
 def get(summary: dict[str, Any], path: tuple[str, ...]) -> Any:
     v: Any = summary
@@ -128,6 +143,7 @@ def compute_ratios(results: dict[str, Any]) -> list[dict[str, Any]]:
             bv = get(b["summary"], path) if b else None
             cv = get(c["summary"], path) if c else None
             row[label] = ratio(cv, bv)
+        row["MoE ms per step"] = ratio(moe_value(c, "moe_ms_per_step"), moe_value(b, "moe_ms_per_step"))
         if row["withheld"]:
             row["withheld_because"] = "; ".join(
                 f"{t['name']}: {bunching.count_text(bunching.of_run(r))} requests bunched"
@@ -169,6 +185,9 @@ def headline_table(results: dict[str, Any]) -> str:
         header += [f"{t['name']} MoE ms/layer" for t in targets]
         if base and cand:
             header.append(f"{cand['name']}/{base['name']}")
+    with_share = has_moe_share(results)
+    if with_share:
+        header += [f"{t['name']} MoE share" for t in targets]
     header += ["bunched", "errors"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name in run_names(results):
@@ -183,6 +202,8 @@ def headline_table(results: dict[str, Any]) -> str:
             row += [fmt(v, "{:.3f}") for v in vals]
             if base and cand:
                 row.append(fmt_ratio(ratio(vals[1], vals[0])))
+        if with_share:
+            row += [fmt(moe_value(r, "moe_share"), "{:.1%}") for r in runs]
         errs = []
         for t in targets:
             r = run_of(t, name)
@@ -211,6 +232,15 @@ def layer_mean(run: dict[str, Any] | None) -> float | None:
     return sum(l["fields"][key] for l in parsed) / len(parsed)
 
 
+def moe_value(run: dict[str, Any] | None, key: str) -> float | None:
+    """A figure of the run's MoE share of the step (metrics.moe_step_share); None when missing."""
+    return ((run or {}).get("moe") or {}).get(key)
+
+
+def has_moe_share(results: dict[str, Any]) -> bool:
+    return any(moe_value(r, "moe_share") is not None for t in results["targets"] for r in t.get("runs", []))
+
+
 def detail_table(results: dict[str, Any], name: str) -> str:
     base, cand = comparison_pair(results)
     targets = [t for t in (base, cand) if t is not None] + [
@@ -230,6 +260,13 @@ def detail_table(results: dict[str, Any], name: str) -> str:
             counts = [bunching.of_run(r) for r in runs]
             row = ["bunched requests"] + [bunching.count_text(b) if b else "—" for b in counts]
             lines.append("| " + " | ".join(row + ([""] if base and cand else [])) + " |")
+    if any(r and r.get("moe") for r in runs):
+        for label, key, f, with_ratio in MOE_DETAIL:
+            vals = [moe_value(r, key) for r in runs]
+            row = [label] + [fmt(v, f) for v in vals]
+            if base and cand:
+                row.append(fmt_ratio(ratio(vals[1], vals[0])) if with_ratio else "")
+            lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
@@ -288,6 +325,9 @@ def write_markdown(results: dict[str, Any], folder: Path, plots: list[Path]) -> 
     out.append("")
     out.append(headline_table(results))
     out.append("")
+    if any(r.get("moe") for t in results["targets"] for r in t.get("runs", [])):
+        out.append(MOE_SHARE_NOTE)
+        out.append("")
     if any(bunching.distorted(r) for t in results["targets"] for r in t.get("runs", [])):
         out.append(f"{WARN} distorted by bunched streams (tokens that reached the client in bursts; the bunched "
                    "column counts those requests): the ratios of these figures are withheld. See "

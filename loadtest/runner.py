@@ -11,7 +11,7 @@ from typing import Any, Callable
 import aiohttp
 
 from . import client, layers
-from .metrics import RequestRecord, summarize
+from .metrics import RequestRecord, moe_step_share, summarize
 from .workload import WorkItem, arrival_offsets
 
 LAYERS_PATH = "/v1/kittens/layers"
@@ -170,7 +170,7 @@ async def run_target(
         skip_reason: str | None = None
         for spec in specs:
             warm_items, items = workloads[spec.name]
-            result: dict[str, Any] = {"spec": spec.to_dict(), "notes": [], "layers": None}
+            result: dict[str, Any] = {"spec": spec.to_dict(), "notes": [], "layers": None, "moe": None}
             if skip_reason is None and not await client.is_healthy(session, target.url):
                 skip_reason = target.died() or f"server at {target.url} not healthy before run {spec.name}"
                 target.events.append(skip_reason)
@@ -224,6 +224,7 @@ async def run_target(
                 state, data = await fetch_layers(session, target)
                 if state == "ok":
                     result["layers"] = {"available": True, "raw": data, "parsed": layers.parse_layers(data)}
+                    result["moe"] = moe_step_share(data)
                 else:
                     result["layers"] = {"available": state != "absent", "error": data}
 

@@ -91,7 +91,12 @@ def test_layers_endpoint_is_reported(fake_server, tmp_path):
     assert stock["runs"][0]["layers"] == {"available": False}
     parsed = kittens["runs"][0]["layers"]["parsed"]
     assert [p["label"] for p in parsed] == ["model.layers.0.mlp.experts (rank 0)", "model.layers.1.mlp.experts (rank 0)"]
-    assert "latency_us.mean" in report and "answered 404" in report
+    assert "latency_ms.mean" in report and "answered 404" in report
+    # The fake server counts a step per streamed token: 4 requests of 16 tokens after the reset.
+    moe = kittens["runs"][0]["moe"]
+    assert moe["steps"] == 64 and moe["tokens_per_step"] == 1.0 and moe["moe_ms_per_step"] == pytest.approx(0.21)
+    assert 0 < moe["moe_share"] < 1 and stock["runs"][0]["moe"] is None
+    assert "| MoE ms per step | — | 0.210 | — |" in report
     assert (tmp_path / "results" / "layers.png").stat().st_size > 1000
 
 

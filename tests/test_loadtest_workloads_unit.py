@@ -117,3 +117,90 @@ def test_serve_help_lists_the_new_options(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "--workload SPEC" in text and "IN:OUT[:c=LIST][:rate=LIST]" in text
     assert "--requests-per-stream K" in text and "max(--num-requests, ceil(K x concurrency))" in text
+
+
+def layers_doc(means_by_layer, seconds=2.0, calls=400, tokens=3200, enabled=True):
+    """A GET /v1/kittens/layers document (server/stats.py): ``means_by_layer[i][r]`` is layer i's
+    mean latency in ms on rank r (None: no latency)."""
+    def rank(r, mean):
+        lat = None if mean is None else {"mean": mean, "p50": mean, "p90": mean, "p99": mean, "max": mean, "samples": 9}
+        return {"rank": r, "ep_rank": r, "ep_size": 2, "calls": calls, "tokens": tokens, "sampled_calls": 9,
+                "latency_ms": lat, "phases_ms": None, "expert_tokens": [1, 2], "local_expert_tokens": 1,
+                "imbalance": 1.0}
+
+    return {"object": "kittens.layers", "timing": {"enabled": enabled, "sample_every": 1, "window_calls": 9},
+            "window": {"started_at": 1.0, "seconds": seconds}, "num_layers": len(means_by_layer),
+            "layers": [{"index": i, "name": f"model.layers.{i}.mlp.experts", "num_experts": 2, "top_k": 1,
+                        "ranks": [rank(r, m) for r, m in enumerate(means)]} for i, means in enumerate(means_by_layer)]}
+
+
+def test_moe_share_of_one_layer():
+    from mok_serve.loadtest.metrics import moe_step_share
+
+    got = moe_step_share(layers_doc([[0.5]]))
+    assert got == {"steps": 400, "tokens_per_step": 8.0, "step_ms": 5.0, "moe_ms_per_step": 0.5,
+                   "moe_share": pytest.approx(0.1)}
+
+
+def test_moe_share_sums_layers_and_takes_the_slowest_rank():
+    from mok_serve.loadtest.metrics import moe_step_share
+
+    got = moe_step_share(layers_doc([[0.5, 0.75], [1.0, 0.25]], seconds=4.0))
+    assert got["steps"] == 400 and got["step_ms"] == 10.0
+    assert got["moe_ms_per_step"] == 1.75 and got["moe_share"] == pytest.approx(0.175)
+    doc = layers_doc([[0.5, 0.75], [1.0, 0.25]])
+    doc["layers"][0]["ranks"].reverse()  # steps and tokens come from rank 0 wherever it is listed
+    doc["layers"][0]["ranks"][0]["calls"] = 800
+    assert moe_step_share(doc)["steps"] == 400
+
+
+@pytest.mark.parametrize("doc", [
+    layers_doc([[0.5], [None]]),  # a layer without latency: no partial sum
+    layers_doc([[0.5, None]]),
+    layers_doc([[0.5]], enabled=False),
+])
+def test_moe_share_without_latency_keeps_the_step_figures(doc):
+    from mok_serve.loadtest.metrics import moe_step_share
+
+    got = moe_step_share(doc)
+    assert got["moe_ms_per_step"] is None and got["moe_share"] is None
+    assert got["steps"] == 400 and got["tokens_per_step"] == 8.0 and got["step_ms"] == 5.0
+
+
+@pytest.mark.parametrize("doc", [None, {}, {"layers": []}, {"layers": [{"layer": "x", "mean_us": 3.0}]},
+                                 layers_doc([[0.5]], calls=0), layers_doc([[0.5]], seconds=None)])
+def test_moe_share_of_missing_data_is_none_not_an_error(doc):
+    from mok_serve.loadtest.metrics import MOE_KEYS, moe_step_share
+
+    got = moe_step_share(doc)
+    assert set(got) == set(MOE_KEYS) and got["moe_share"] is None and got["step_ms"] is None
+
+
+def test_report_shows_the_moe_share_per_run_and_the_ratio_of_moe_ms(tmp_path):
+    from mok_serve.loadtest import report
+    from mok_serve.loadtest.metrics import moe_step_share, summarize
+
+    def target(name, doc):
+        run = {"spec": {"name": "c=1", "rate": None, "concurrency": 1}, "notes": [], "records": [],
+               "summary": summarize([], 1.0), "moe": None if doc is None else moe_step_share(doc)}
+        return {"name": name, "events": [], "runs": [run]}
+
+    results = {"config": {"baseline": "stock", "workload_description": "w"},
+               "targets": [target("stock", layers_doc([[1.0], [1.0]])), target("kittens", layers_doc([[0.5], [None]])),
+                           target("other", None)]}
+    results["ratios"] = report.compute_ratios(results)
+    detail = report.detail_table(results, "c=1")
+    assert "| steps | 400 | 400 | — |  |" in detail and "| tokens per step | 8.0 | 8.0 | — |  |" in detail
+    assert "| step ms | 5.00 | 5.00 | — |  |" in detail
+    assert "| MoE ms per step | 2.000 | — | — | — |" in detail  # kittens' second layer has no latency
+    assert "| MoE share | 40.0% | — | — |  |" in detail
+    results["targets"][1] = target("kittens", layers_doc([[0.5], [0.5]]))
+    results["ratios"] = report.compute_ratios(results)
+    assert "| MoE ms per step | 2.000 | 1.000 | — | 0.50x |" in report.detail_table(results, "c=1")
+    assert results["ratios"][0]["MoE ms per step"] == 0.5
+    headline = report.headline_table(results)
+    assert "stock MoE share | kittens MoE share | other MoE share |" in headline
+    assert "| 40.0% | 20.0% | — |" in headline
+    md = report.write_markdown(results, tmp_path, []).read_text()
+    assert "MoE share = MoE ms per step" in md and "an estimate" in md
+    assert "| 40.0% | 20.0% | — |" in report.console_summary(results, tmp_path, 0)
