@@ -48,20 +48,54 @@ def x_of(run: dict[str, Any], kind: str) -> float | None:
     return spec["concurrency"] if spec["rate"] is None else None
 
 
-def series(target: dict[str, Any], path: tuple[str, ...], kind: str) -> list[tuple[float, float, bool]]:
-    """(x, value, distorted) of the target's completed runs on the ``kind`` axis, sorted by x."""
+def workload_of(run: dict[str, Any]) -> tuple[int | None, int | None]:
+    """(input_len, output_len) of the run's workload; (None, None) in results from before they were kept."""
+    return run["spec"].get("input_len"), run["spec"].get("output_len")
+
+
+def workloads_in(results: dict[str, Any]) -> list[tuple[int | None, int | None]]:
+    """The workloads of the runs, in the order they were run."""
+    keys = [workload_of(r) for t in results["targets"] for r in t.get("runs", [])]
+    return list(dict.fromkeys(keys))
+
+
+def workload_title(key: tuple[int | None, int | None]) -> str:
+    input_len, output_len = key
+    return f"{'dataset prompts' if input_len is None else f'input {input_len}'} / output {output_len}"
+
+
+def runs_of(target: dict[str, Any], workload: tuple | None = None) -> list[dict[str, Any]]:
+    """The target's runs, those of ``workload`` only when it is given."""
+    return [r for r in target.get("runs", []) if workload is None or workload_of(r) == workload]
+
+
+def series(target: dict[str, Any], path: tuple[str, ...], kind: str,
+           workload: tuple | None = None) -> list[tuple[float, float, bool]]:
+    """(x, value, distorted) of the target's completed runs (of ``workload``, if given) on the
+    ``kind`` axis, sorted by x."""
     points = []
-    for run in target.get("runs", []):
+    for run in runs_of(target, workload):
         x, y = x_of(run, kind), get(run["summary"], path)
         if x is not None and y is not None and not run.get("skipped") and run["summary"]["completed"]:
             points.append((x, y, is_distorted(run, path)))
     return sorted(points)
 
 
+def axis_values(results: dict[str, Any], kind: str, workload: tuple | None = None) -> list[float]:
+    """The x values of the runs (of ``workload``, if given) on the ``kind`` axis."""
+    return sorted({x for t in results["targets"] for r in runs_of(t, workload) if (x := x_of(r, kind)) is not None})
+
+
 def kinds_of(results: dict[str, Any]) -> list[str]:
     """The x axes the runs need: 'concurrency' and/or 'rate'."""
-    runs = [r for t in results["targets"] for r in t.get("runs", [])]
-    return [k for k in X_AXES if any(x_of(r, k) is not None for r in runs)]
+    return [k for k in X_AXES if axis_values(results, k)]
+
+
+def panel_grid(results: dict[str, Any]) -> tuple[list[tuple | None], list[str]]:
+    """Rows and columns of panels: a row per workload (one row, workload None, when there is a
+    single one), a column per x axis that any run needs."""
+    workloads = workloads_in(results)
+    return (workloads if len(workloads) > 1 else [None]), kinds_of(results)
 
 
 def _dodge(x: float, j: int, n: int) -> float:
@@ -77,15 +111,25 @@ def _plot(ax, points, j: int, n: int, style: dict[str, str], linestyle: str = "-
                 markeredgecolor="red", markeredgewidth=1.5)
 
 
-def _x_axis(ax, results: dict[str, Any], kind: str) -> None:
+def _x_axis(ax, values: list[float], kind: str) -> None:
     """log2 x axis with a tick at each run's value and room either side for the shifted points."""
-    values = sorted({x for t in results["targets"] for r in t.get("runs", []) if (x := x_of(r, kind)) is not None})
     ax.set_xscale("log", base=2)
     ax.set_xticks(values)
     ax.set_xticklabels([f"{v:g}" for v in values])
     ax.minorticks_off()
     ax.set_xlim(values[0] / 1.5, values[-1] * 1.5)
     ax.set_xlabel(X_AXES[kind])
+
+
+def _no_runs(ax, kind: str) -> None:
+    """A panel of a workload without runs of this kind: blank, and saying so."""
+    ax.axis("off")
+    ax.text(0.5, 0.5, f"no {'Poisson' if kind == 'rate' else 'fixed-concurrency'} runs in this workload",
+            ha="center", va="center", transform=ax.transAxes, color="gray")
+
+
+def _title(ax, text: str, workload: tuple | None) -> None:
+    ax.set_title(text if workload is None else f"{workload_title(workload)}\n{text}")
 
 
 def _y_from_zero(axes) -> None:
@@ -117,47 +161,66 @@ def _legend(fig, results: dict[str, Any], percentiles: bool = False, distorted: 
 
 
 def throughput_figure(results: dict[str, Any]):
-    """Output tokens/s against concurrency and against the Poisson request rate."""
-    kinds = kinds_of(results)
+    """Output tokens/s against concurrency and against the Poisson request rate; with several
+    workloads, a row of panels per workload."""
+    workloads, kinds = panel_grid(results)
     if not kinds:
         return None
     plt = _pyplot()
     targets = results["targets"]
-    fig, axes = plt.subplots(1, len(kinds), figsize=(6 * len(kinds), 4.6), squeeze=False)
-    for ax, kind in zip(axes[0], kinds):
-        for j, t in enumerate(targets):
-            _plot(ax, series(t, ("output_throughput",), kind), j, len(targets), styles(targets)[t["name"]])
-        _x_axis(ax, results, kind)
-        ax.set_ylabel("output tokens/s")
-        ax.set_title(f"Output tokens/s vs {X_AXES[kind].split(' (')[0]}")
-        _y_from_zero([ax])
-        ax.grid(alpha=0.3)
+    fig, axes = plt.subplots(len(workloads), len(kinds), figsize=(6 * len(kinds), 4.6 * len(workloads)),
+                             squeeze=False)
+    for row, workload in zip(axes, workloads):
+        for ax, kind in zip(row, kinds):
+            values = axis_values(results, kind, workload)
+            if not values:
+                _no_runs(ax, kind)
+                continue
+            for j, t in enumerate(targets):
+                _plot(ax, series(t, ("output_throughput",), kind, workload), j, len(targets),
+                      styles(targets)[t["name"]])
+            _x_axis(ax, values, kind)
+            ax.set_ylabel("output tokens/s")
+            _title(ax, f"Output tokens/s vs {X_AXES[kind].split(' (')[0]}", workload)
+            _y_from_zero([ax])
+            ax.grid(alpha=0.3)
     fig.tight_layout(rect=(0, 0, 1, 1 - _legend(fig, results)))
     return fig
 
 
 def latency_figure(results: dict[str, Any]):
-    """TTFT, TPOT, ITL and E2E latency percentiles: a row per metric, a column per x axis
-    (concurrency sweep, Poisson runs), rows sharing their y scale."""
-    kinds = kinds_of(results)
+    """TTFT, TPOT, ITL and E2E latency percentiles: a row per metric (a block of such rows per
+    workload when there are several), a column per x axis (concurrency sweep, Poisson runs), rows
+    sharing their y scale."""
+    workloads, kinds = panel_grid(results)
     if not kinds:
         return None
     plt = _pyplot()
     targets = results["targets"]
-    fig, axes = plt.subplots(len(LATENCY_METRICS), len(kinds), figsize=(5.5 * len(kinds) + 1, 13), squeeze=False,
+    rows = len(LATENCY_METRICS) * len(workloads)
+    fig, axes = plt.subplots(rows, len(kinds), figsize=(5.5 * len(kinds) + 1, 13 * len(workloads)), squeeze=False,
                              sharey="row", width_ratios=[3, 2] if len(kinds) == 2 else None)
     any_distorted = False
-    for row, (metric, title) in zip(axes, LATENCY_METRICS):
+    for i, row in enumerate(axes):
+        workload = workloads[i // len(LATENCY_METRICS)]
+        metric, title = LATENCY_METRICS[i % len(LATENCY_METRICS)]
+        labelled = False
         for ax, kind in zip(row, kinds):
+            values = axis_values(results, kind, workload)
+            if not values:
+                _no_runs(ax, kind)
+                continue
             for j, t in enumerate(targets):
                 for pct, ls in PERCENTILE_STYLES.items():
-                    points = series(t, (metric, f"{pct}_ms"), kind)
+                    points = series(t, (metric, f"{pct}_ms"), kind, workload)
                     any_distorted |= any(d for _, _, d in points)
                     _plot(ax, points, j, len(targets), styles(targets)[t["name"]], ls)
-            _x_axis(ax, results, kind)
-            if ax is row[0]:  # the row shares its y scale
+            _x_axis(ax, values, kind)
+            if not labelled:  # the row shares its y scale: labelled once, left of its first drawn panel
                 ax.set_ylabel(f"{title} ms")
-            ax.set_title(f"{title} vs {X_AXES[kind].split(' (')[0]}")
+                ax.tick_params(labelleft=True)
+                labelled = True
+            _title(ax, f"{title} vs {X_AXES[kind].split(' (')[0]}", workload)
             ax.grid(alpha=0.3)
         _y_from_zero(row)
     fig.tight_layout(rect=(0, 0, 1, 1 - _legend(fig, results, percentiles=True, distorted=any_distorted)))

@@ -204,3 +204,65 @@ def test_report_shows_the_moe_share_per_run_and_the_ratio_of_moe_ms(tmp_path):
     md = report.write_markdown(results, tmp_path, []).read_text()
     assert "MoE share = MoE ms per step" in md and "an estimate" in md
     assert "| 40.0% | 20.0% | — |" in report.console_summary(results, tmp_path, 0)
+
+
+def two_workload_results():
+    """Two servers; workload 512/256 with c=1,8 and rate=4, workload 4096/64 with rate=2 only."""
+    from mok_serve.loadtest.metrics import RequestRecord, summarize
+
+    def run(name, in_out, concurrency, rate, tok_s):
+        recs = [RequestRecord(index=i, prompt_len=in_out[0], expected_output_len=4, success=True, output_tokens=4,
+                              ttft=0.01, itl=[0.005] * 3, latency=0.025, start_time=float(i)) for i in range(4)]
+        summary = summarize(recs, 16 / tok_s)
+        return {"spec": {"name": name, "concurrency": concurrency, "rate": rate, "input_len": in_out[0],
+                         "output_len": in_out[1]}, "notes": [], "records": [], "summary": summary}
+
+    def target(name, scale):
+        return {"name": name, "events": [], "runs": [
+            run("512/256 c=1", (512, 256), 1, None, 100 * scale), run("512/256 c=8", (512, 256), 8, None, 500 * scale),
+            run("512/256 rate=4", (512, 256), None, 4.0, 300 * scale),
+            run("4096/64 rate=2", (4096, 64), None, 2.0, 50 * scale)]}
+
+    return {"config": {"baseline": "stock"}, "targets": [target("stock", 1.0), target("kittens", 1.5)]}
+
+
+def test_throughput_plot_has_a_row_per_workload():
+    from mok_serve.loadtest import plots
+
+    results = two_workload_results()
+    fig = plots.throughput_figure(results)
+    assert [ax.get_title() for ax in fig.axes] == [
+        "input 512 / output 256\nOutput tokens/s vs max concurrency", "input 512 / output 256\nOutput tokens/s vs request rate",
+        "", "input 4096 / output 64\nOutput tokens/s vs request rate"]
+    blank = fig.axes[2]
+    assert not blank.axison and [t.get_text() for t in blank.texts] == ["no fixed-concurrency runs in this workload"]
+    c_panel, rate_panel, _, prefill_rate = fig.axes
+    assert [list(line.get_ydata()) for line in c_panel.lines] == [pytest.approx([100, 500]), pytest.approx([150, 750])]
+    assert [line.get_marker() for line in c_panel.lines] == ["o", "s"]  # the servers' markers and colours as before
+    assert [line.get_color() for line in prefill_rate.lines] == ["tab:blue", "tab:orange"]
+    assert [list(line.get_ydata()) for line in prefill_rate.lines] == [pytest.approx([50]), pytest.approx([75])]
+    assert list(c_panel.get_xticks()) == [1, 8] and list(prefill_rate.get_xticks()) == [2]  # each row its own runs
+
+
+def test_latency_plot_has_a_block_of_rows_per_workload():
+    from mok_serve.loadtest import plots
+
+    fig = plots.latency_figure(two_workload_results())
+    titles = [ax.get_title() for ax in fig.axes]
+    assert len(titles) == 16
+    assert titles[:2] == ["input 512 / output 256\nTTFT vs max concurrency", "input 512 / output 256\nTTFT vs request rate"]
+    assert titles[8:10] == ["", "input 4096 / output 64\nTTFT vs request rate"]
+    # The prefill workload has no concurrency panel: its rate panel carries the row's y label and ticks.
+    assert fig.axes[9].get_ylabel() == "TTFT ms" and fig.axes[9].yaxis.get_tick_params()["labelleft"]
+    assert fig.axes[0].get_ylabel() == "TTFT ms" and fig.axes[1].get_ylabel() == ""
+
+
+def test_plots_of_one_workload_have_no_workload_titles():
+    from mok_serve.loadtest import plots
+
+    results = two_workload_results()
+    for t in results["targets"]:
+        t["runs"] = t["runs"][:3]
+    assert [ax.get_title() for ax in plots.throughput_figure(results).axes] == [
+        "Output tokens/s vs max concurrency", "Output tokens/s vs request rate"]
+    assert len(plots.latency_figure(results).axes) == 8
