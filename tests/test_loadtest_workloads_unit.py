@@ -266,3 +266,30 @@ def test_plots_of_one_workload_have_no_workload_titles():
     assert [ax.get_title() for ax in plots.throughput_figure(results).axes] == [
         "Output tokens/s vs max concurrency", "Output tokens/s vs request rate"]
     assert len(plots.latency_figure(results).axes) == 8
+
+
+def test_two_workloads_against_one_server_end_to_end(fake_server, tmp_path):
+    import json
+
+    _, url = fake_server("--layers", "--token-gap", "0.001")
+    out = tmp_path / "results"
+    code = cli.main(["serve", "--url", f"fake={url}", "--workload", "24:6:c=1,4:rate=50", "--workload", "48:3:c=2",
+                     "--num-requests", "4", "--requests-per-stream", "2", "--prompt-format", "ids", "--out", str(out),
+                     "--no-progress"])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    (target,) = results["targets"]
+    runs = {r["spec"]["name"]: r for r in target["runs"]}
+    assert list(runs) == ["24/6 c=1", "24/6 c=4", "24/6 rate=50", "48/3 c=2"]
+    assert [len(r["records"]) for r in runs.values()] == [4, 8, 4, 4]  # c=4: 2 x 4 = 8
+    for run in runs.values():
+        spec = run["spec"]
+        assert {(r["prompt_len"], r["output_tokens"]) for r in run["records"]} == {(spec["input_len"], spec["output_len"])}
+        assert run["moe"]["steps"] == spec["num_requests"] * spec["output_len"]  # a fake step per token
+    assert results["config"]["workloads"] == [
+        {"input_len": 24, "output_len": 6, "concurrency": [1, 4], "request_rate": [50.0]},
+        {"input_len": 48, "output_len": 3, "concurrency": [2], "request_rate": []}]
+    report = (out / "report.md").read_text()
+    assert "random 24 in / 6 out tokens" in report and "random 48 in / 3 out tokens" in report
+    assert "## Run `24/6 rate=50`" in report and "## Run `48/3 c=2`" in report and "| MoE share |" in report
+    assert {p.name for p in out.glob("*.png")} == {"throughput.png", "latency.png", "layers.png"}
