@@ -227,9 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--prompt-format", choices=("text", "ids"), default="text",
-        help="random prompts as text that re-encodes to --input-len (or the workload's IN) tokens (as vllm bench "
-        "serve's random "
-        "dataset; the server tokenizes it) or as token-id lists (no tokenization) (default: %(default)s)",
+        help="random prompts as text that re-encodes to --input-len (or the workload's IN) tokens (as vllm "
+        "bench serve's random dataset; the server tokenizes it) or as token-id lists (no tokenization) "
+        "(default: %(default)s)",
     )
     g.add_argument("--seed", type=int, default=0, help="workload seed (prompts, Poisson arrivals) (default: %(default)s)")
     g.add_argument(
@@ -349,8 +349,8 @@ more, those figures (and peak tok/s) are marked ⚠ as distorted and their ratio
 Results folder: results.json (every request, every summary, the per-layer JSON), report.md
 (side-by-side tables, candidate/baseline ratios, what went wrong, bunched streams),
 throughput.png, latency.png (TTFT, TPOT, ITL, E2E percentiles against concurrency and request
-rate; with several workloads, panels per workload) and layers.png (when per-layer timing was available). A one-screen summary is printed at
-the end.
+rate; with several workloads, a row of panels per workload) and layers.png (when per-layer
+timing was available). A one-screen summary is printed at the end.
 
 Exit status: 0 when every request of every run succeeded; 1 when any request failed, a server
 did not start or died (the report says what happened); 2 for bad arguments."""
@@ -497,7 +497,8 @@ class _Progress:
             self.bar.close()
 
 
-def _run_all(args, specs: list, targets_cfg: list[dict[str, Any]], results: dict[str, Any], progress: _Progress) -> None:
+def _run_all(args, specs: list, targets_cfg: list[dict[str, Any]], results: dict[str, Any],
+             progress: _Progress) -> None:
     """Start (or reach) each server in turn and run every spec against it."""
     from mok_serve.server_process import ServerError, ServerProcess
 

@@ -76,7 +76,8 @@ def test_several_workloads_run_in_order_with_prefixed_names_and_distinct_seeds()
 def test_requests_per_stream_scales_fixed_concurrency_runs_only():
     got = specs("--workload", "16:8:c=1,8,30,256:rate=5", "--num-requests", "1", "--requests-per-stream", "0.1")
     assert [s.num_requests for s in got] == [1, 1, 3, 26, 1]  # 0.1 x 30 = 3, not 4
-    got = specs("--concurrency", "1,8,256", "--request-rate", "5", "--num-requests", "20", "--requests-per-stream", "2.5")
+    got = specs("--concurrency", "1,8,256", "--request-rate", "5", "--num-requests", "20",
+                "--requests-per-stream", "2.5")
     assert [s.num_requests for s in got] == [20, 20, 640, 20]
     assert [s.num_requests for s in specs("--concurrency", "256", "--num-requests", "20",
                                                  "--request-rate", "")] == [20]  # off by default
@@ -232,7 +233,8 @@ def test_throughput_plot_has_a_row_per_workload():
     results = two_workload_results()
     fig = plots.throughput_figure(results)
     assert [ax.get_title() for ax in fig.axes] == [
-        "input 512 / output 256\nOutput tokens/s vs max concurrency", "input 512 / output 256\nOutput tokens/s vs request rate",
+        "input 512 / output 256\nOutput tokens/s vs max concurrency",
+        "input 512 / output 256\nOutput tokens/s vs request rate",
         "", "input 4096 / output 64\nOutput tokens/s vs request rate"]
     blank = fig.axes[2]
     assert not blank.axison and [t.get_text() for t in blank.texts] == ["no fixed-concurrency runs in this workload"]
@@ -250,7 +252,8 @@ def test_latency_plot_has_a_block_of_rows_per_workload():
     fig = plots.latency_figure(two_workload_results())
     titles = [ax.get_title() for ax in fig.axes]
     assert len(titles) == 16
-    assert titles[:2] == ["input 512 / output 256\nTTFT vs max concurrency", "input 512 / output 256\nTTFT vs request rate"]
+    assert titles[:2] == ["input 512 / output 256\nTTFT vs max concurrency",
+                          "input 512 / output 256\nTTFT vs request rate"]
     assert titles[8:10] == ["", "input 4096 / output 64\nTTFT vs request rate"]
     # The prefill workload has no concurrency panel: its rate panel carries the row's y label and ticks.
     assert fig.axes[9].get_ylabel() == "TTFT ms" and fig.axes[9].yaxis.get_tick_params()["labelleft"]
@@ -284,7 +287,8 @@ def test_two_workloads_against_one_server_end_to_end(fake_server, tmp_path):
     assert [len(r["records"]) for r in runs.values()] == [4, 8, 4, 4]  # c=4: 2 x 4 = 8
     for run in runs.values():
         spec = run["spec"]
-        assert {(r["prompt_len"], r["output_tokens"]) for r in run["records"]} == {(spec["input_len"], spec["output_len"])}
+        lengths = {(r["prompt_len"], r["output_tokens"]) for r in run["records"]}
+        assert lengths == {(spec["input_len"], spec["output_len"])}
         assert run["moe"]["steps"] == spec["num_requests"] * spec["output_len"]  # a fake step per token
     assert results["config"]["workloads"] == [
         {"input_len": 24, "output_len": 6, "concurrency": [1, 4], "request_rate": [50.0]},
