@@ -227,6 +227,7 @@ def latency_figure(results: dict[str, Any]):
     return fig
 
 
+LAYERS_FIGURE_WIDTH = 30.0  # inches: layers.png wraps its panels into rows no wider
 UNITS = {"ns": "ns", "us": "µs", "ms": "ms", "s": "s"}
 STATS = {"mean": "mean", "avg": "mean", "median": "median", "p50": "median", "p90": "p90", "p99": "p99",
          "max": "max", "min": "min"}
@@ -259,9 +260,17 @@ def layers_figure(results: dict[str, Any]):
     plt = _pyplot()
     look = styles(results["targets"])
     nl = max(len(p) for _, pt in panels for p in pt.values())
-    fig, axes = plt.subplots(1, len(panels), figsize=(max(4.0, 0.9 * nl + 2) * len(panels), 5.0), squeeze=False)
+    panel_width = max(4.0, 0.9 * nl + 2)
+    # Panels wrap into rows of at most LAYERS_FIGURE_WIDTH inches: many runs (several workloads)
+    # of a model with many layers would otherwise make a strip tens of thousands of pixels wide.
+    cols = max(1, min(len(panels), int(LAYERS_FIGURE_WIDTH // panel_width)))
+    rows = math.ceil(len(panels) / cols)
+    height = 5.0 * rows + 0.6  # 0.6 inch on top for the title and the legend
+    fig, axes = plt.subplots(rows, cols, figsize=(panel_width * cols, height), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
     fields = set()
-    for ax, (name, per_target) in zip(axes[0], panels):
+    for ax, (name, per_target) in zip(axes.flat, panels):
         width = 0.8 / len(per_target)
         for j, (tname, parsed) in enumerate(per_target.items()):
             key = layers_mod.headline_field(parsed)
@@ -274,13 +283,14 @@ def layers_figure(results: dict[str, Any]):
         ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
         ax.set_title(f"run {name}")
         ax.grid(alpha=0.3, axis="y")
-    fig.suptitle(f"Per-layer MoE time (GET /v1/kittens/layers, field {', '.join(sorted(fields))})", y=0.99)
+    fig.suptitle(f"Per-layer MoE time (GET /v1/kittens/layers, field {', '.join(sorted(fields))})",
+                 y=1 - 0.05 / height)
     bars = {}  # one legend entry per server, whichever panels it has bars in
-    for ax in axes[0]:
+    for ax in axes.flat:
         bars.update({n: h for h, n in zip(*ax.get_legend_handles_labels())})
-    fig.legend(bars.values(), bars.keys(), loc="upper center", ncol=len(bars), bbox_to_anchor=(0.5, 0.94),
+    fig.legend(bars.values(), bars.keys(), loc="upper center", ncol=len(bars), bbox_to_anchor=(0.5, 1 - 0.3 / height),
                frameon=False)
-    fig.tight_layout(rect=(0, 0, 1, 0.89))
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.55 / height))
     return fig
 
 

@@ -297,3 +297,21 @@ def test_two_workloads_against_one_server_end_to_end(fake_server, tmp_path):
     assert "random 24 in / 6 out tokens" in report and "random 48 in / 3 out tokens" in report
     assert "## Run `24/6 rate=50`" in report and "## Run `48/3 c=2`" in report and "| MoE share |" in report
     assert {p.name for p in out.glob("*.png")} == {"throughput.png", "latency.png", "layers.png"}
+
+
+def test_layers_plot_wraps_many_runs_into_rows():
+    from mok_serve.loadtest import layers, plots
+    from mok_serve.loadtest.fake_server import fake_layers_document
+
+    parsed = {"available": True, "parsed": layers.parse_layers(fake_layers_document(100, 1.0, num_layers=12))}
+    runs = [{"spec": {"name": f"512/256 c={2 ** i}", "rate": None, "concurrency": 2 ** i}, "layers": parsed}
+            for i in range(5)]
+    fig = plots.layers_figure({"targets": [{"name": "stock", "runs": runs}, {"name": "kittens", "runs": runs}]})
+    width, height = fig.get_size_inches()
+    assert width <= plots.LAYERS_FIGURE_WIDTH and height > 15  # 2 panels a row, 3 rows
+    drawn = [ax for ax in fig.axes if ax.axison]
+    assert [ax.get_title() for ax in drawn] == [f"run 512/256 c={2 ** i}" for i in range(5)]
+    assert len(fig.axes) == 6 and not fig.axes[5].axison
+    fig.canvas.draw()
+    legend = fig.legends[0].get_window_extent()
+    assert all(legend.y0 > ax.get_window_extent().y1 for ax in drawn)
