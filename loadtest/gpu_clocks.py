@@ -24,15 +24,20 @@ _NVML_CLOCK_SM = 1
 SW_POWER_CAP = 0x4  # nvmlClocksEventReasonSwPowerCap
 
 
-def nvml_reader(uuid: str) -> Callable[[], Reading] | None:
+def nvml_reader(uuid: str | None = None, index: int = 0) -> Callable[[], Reading] | None:
     """A function reading the GPU with this UUID (as ``torch.cuda.get_device_properties(i).uuid``
-    prints it) through NVML, or ``None`` where NVML is not there or does not know the GPU."""
+    prints it), or without one NVML's GPU ``index`` (no CUDA context needed: a load-test client
+    beside a server), through NVML; ``None`` where NVML is not there or does not know the GPU."""
     try:
         lib = ctypes.CDLL("libnvidia-ml.so.1")
     except OSError:
         return None
     handle = ctypes.c_void_p()
-    if lib.nvmlInit_v2() != 0 or lib.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}".encode(), ctypes.byref(handle)) != 0:
+    if lib.nvmlInit_v2() != 0:
+        return None
+    found = (lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) if uuid is None
+             else lib.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}".encode(), ctypes.byref(handle)))
+    if found != 0:
         return None
     # Renamed from "throttle" to "clocks event" reasons in newer drivers; same bits.
     reasons_fn = getattr(lib, "nvmlDeviceGetCurrentClocksEventReasons", None) or lib.nvmlDeviceGetCurrentClocksThrottleReasons

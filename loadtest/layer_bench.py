@@ -58,17 +58,16 @@ import gc
 import importlib.resources
 import json
 import math
-import os
 import pathlib
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
+from . import provenance
 from .gpu_clocks import ClockSampler, clock_text
 from .l2_rates import l2_read_bandwidth
 
@@ -1284,16 +1283,6 @@ def _vllm_version() -> str | None:
             return None
 
 
-def git_commit() -> str:
-    env = os.environ.get("MOK_COMMIT")
-    if env:
-        return env
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=pathlib.Path(__file__).parent, text=True).strip()
-    except Exception:  # noqa: BLE001
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="mok-loadtest layer", description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="all", help="comma-separated shape names from configs/model_shapes.json")
@@ -1373,7 +1362,7 @@ def main(argv: list[str] | None = None) -> int:
     global L2_FLUSH
     L2_FLUSH = args.l2_flush
     meta = dict(
-        l2_flush=args.l2_flush, gpu=torch.cuda.get_device_name(), commit=git_commit(), date=datetime.datetime.now(datetime.UTC).isoformat(),
+        l2_flush=args.l2_flush, gpu=torch.cuda.get_device_name(), commit=provenance.git_commit(), date=datetime.datetime.now(datetime.UTC).isoformat(),
         torch=torch.__version__, triton=triton.__version__, transformers=transformers.__version__,
         python=platform.python_version(), sms=torch.cuda.get_device_properties(0).multi_processor_count,
         timing="CUDA graph of each implementation, replay timed by triton.testing.do_bench (median, L2 flushed "

