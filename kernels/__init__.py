@@ -23,6 +23,8 @@ __all__ = [
     "fused_moe_reference",
     "grouped_sigmoid_topk",
     "softmax_topk",
+    "warm_up",
+    "warm_up_token_counts",
 ]
 
 
@@ -133,3 +135,57 @@ def fused_moe_fp8(
         hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, expert_map, activation,
         list(as_block_shape(block_shape)),
     )
+
+
+def warm_up(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    max_tokens: int,
+    *,
+    expert_map: torch.Tensor | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block_shape: tuple[int, int] = BLOCK_SHAPE,
+) -> list[int]:
+    """Compile now every Triton kernel that calls of 1 to ``max_tokens`` tokens with these weights
+    and argument dtypes can run, so that no call waits for a compile later (Triton compiles a
+    kernel variant at its first call: ~1 s, or a disk-cache load, during which a server stalls).
+
+    The arguments are those of a ``fused_moe`` call (``fused_moe_fp8`` with the scales); only the
+    weights, ``expert_map`` and the other tensors' dtypes and devices matter. One call on zeros runs
+    at the smallest token count of each kernel variant. Returns those token counts; nothing runs
+    (``[]``) for tensors not on CUDA, whose kernels are not compiled per call.
+    """
+    if not hidden_states.is_cuda:
+        return []
+    num_local, two_inter, hidden = w13.shape
+    top_k = topk_ids.shape[1]
+    counts = warm_up_token_counts(num_local, hidden, two_inter // 2, top_k, max_tokens, fp8=w13_scale is not None)
+    num_global = num_local if expert_map is None else expert_map.shape[0]
+    dev = hidden_states.device
+    for tokens in counts:
+        x = torch.zeros((tokens, hidden), dtype=hidden_states.dtype, device=dev)
+        ids = (torch.arange(tokens * top_k, device=dev) % num_global).view(tokens, top_k).to(topk_ids.dtype)
+        weights = torch.full((tokens, top_k), 1.0 / top_k, dtype=topk_weights.dtype, device=dev)
+        if w13_scale is None:
+            fused_moe(x, w13, w2, weights, ids, expert_map=expert_map)
+        else:
+            fused_moe_fp8(x, w13, w2, w13_scale, w2_scale, weights, ids, expert_map=expert_map, block_shape=block_shape)
+    return counts
+
+
+def warm_up_token_counts(num_local: int, hidden: int, inter: int, top_k: int, max_tokens: int, *,
+                         fp8: bool = False) -> list[int]:
+    """The smallest token count of each Triton kernel variant that calls of 1 to ``max_tokens``
+    tokens run, in increasing order (``warm_up`` calls each)."""
+    if fp8:
+        from .triton_moe_fp8 import kernel_variants_fp8 as variants
+    else:
+        from .triton_moe import kernel_variants as variants
+    first: dict[tuple, int] = {}
+    for tokens in range(1, max_tokens + 1):
+        first.setdefault(variants(tokens, top_k, num_local, hidden, inter), tokens)
+    return list(first.values())

@@ -64,8 +64,8 @@ from . import bad_ids
 from .reference import check_fused_moe_args
 
 __all__ = [
-    "combine_block", "fused_moe_triton", "launch_combine", "launch_gemm1", "launch_gemm2", "launch_schedule",
-    "pick_configs",
+    "combine_block", "fused_moe_triton", "kernel_variants", "launch_combine", "launch_gemm1", "launch_gemm2",
+    "launch_schedule", "pick_configs", "schedule_block",
 ]
 
 
@@ -394,7 +394,7 @@ def _gemm1_tile(
     tl.store(act_ptrs, _cast(h, out_ty, DOT_F32), mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_m"])  # per-call tile count, see _moe_schedule_kernel
 def _moe_gemm1_kernel(
     x_ptr, w_ptr, w_desc, act_ptr, sorted_rows_ptr, counts_ptr,
     num_local, H, I, num_m,
@@ -484,7 +484,7 @@ def _gemm2_tile(
     return acc, offs_n, n_ok
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_m"])  # per-call tile count, see _moe_schedule_kernel
 def _moe_gemm2_kernel(
     act_ptr, w_ptr, w_desc, y_ptr, sorted_rows_ptr, counts_ptr,
     num_local, H, I, num_m,
@@ -565,7 +565,7 @@ def _moe_schedule_zero_kernel(
             tl.store(sync_ptr + start + offs, tl.zeros([BLOCK], dtype=tl.int32), mask=start + offs < num_sync)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_m", "narrow_m"])  # per-call tile counts
 def _moe_decode_experts_kernel(
     x_ptr, w13_ptr, w13_desc, w2_ptr, w2_desc, w2_narrow_desc, act_ptr, y_ptr, sorted_rows_ptr, counts_ptr, sync_ptr,
     timeline_ptr, num_local, H, I, num_m, narrow_m, max_polls,
@@ -933,10 +933,24 @@ def launch_schedule(
         topk_ids, expert_map if has_map else topk_ids, counts, sorted_rows,  # (dummy pointer without a map)
         bad_ids.report_words(topk_ids.device),
         rows, num_global, num_local, topk_ids.stride(0), topk_ids.stride(1), *extra_args,
-        # Every program scans all rows (twice): wide blocks keep that latency-bound loop short.
-        TOPK=topk_ids.shape[1], HAS_MAP=has_map, BLOCK=4096 if rows > 2048 else 256 if rows <= 256 else 1024,
-        num_warps=8 if rows > 2048 else 4, **pdl_launch(counts), **extra_constexprs,
+        TOPK=topk_ids.shape[1], HAS_MAP=has_map, **schedule_block(rows), **pdl_launch(counts), **extra_constexprs,
     )
+
+
+def schedule_block(rows: int) -> dict:
+    """BLOCK and num_warps of the schedule kernel over ``rows`` (token, k) rows. Every program scans
+    all rows (twice): wide blocks keep that latency-bound loop short."""
+    if rows > 2048:
+        return dict(BLOCK=4096, num_warps=8)
+    return dict(BLOCK=256 if rows <= 256 else 1024, num_warps=4)
+
+
+def kernel_variants(tokens: int, top_k: int, num_local: int, hidden: int, inter: int) -> tuple:
+    """What selects the compiled kernels a ``fused_moe_triton`` call of ``tokens`` tokens runs: the
+    schedule's block and both GEMM configs. Per-call counts are never specialized on, so calls with
+    equal variants (and equal dtypes) run the same binaries (``kernels.warm_up`` compiles each)."""
+    g1, g2 = pick_configs(tokens, top_k, num_local, hidden, inter, one_launch=ONE_LAUNCH_DECODE)
+    return tuple(tuple(sorted(d.items())) for d in (schedule_block(tokens * top_k), g1, g2))
 
 
 def launch_gemm1(

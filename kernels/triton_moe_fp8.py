@@ -56,11 +56,12 @@ from .triton_moe import (
     launch_combine,
     launch_schedule,
     pdl_launch,
+    schedule_block,
 )
 
 __all__ = [
-    "fused_moe_fp8_triton", "launch_fp8_gemm1", "launch_fp8_gemm2", "launch_fp8_schedule_quantize",
-    "pick_configs_fp8", "quantize_programs",
+    "fused_moe_fp8_triton", "kernel_variants_fp8", "launch_fp8_gemm1", "launch_fp8_gemm2",
+    "launch_fp8_schedule_quantize", "pick_configs_fp8", "quantize_programs",
 ]
 
 GROUP = 128  # activation group = weight K block = every GEMM's BLOCK_K = GEMM1's column tile
@@ -153,7 +154,7 @@ def _scaled_block_dot(a, b, sa, sb, acc, SWAP_AB: tl.constexpr):
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_m"])  # per-call tile count
 def _fp8_gemm1_kernel(
     xq_ptr, xs_ptr, w_ptr, ws_ptr, actq_ptr, acts_ptr, sorted_rows_ptr, counts_ptr,
     num_local, H, I, num_m,
@@ -246,7 +247,7 @@ def _fp8_gemm2_tile(
     return acc, offs_n, n_ok
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_m"])  # per-call tile count
 def _fp8_gemm2_kernel(
     actq_ptr, acts_ptr, w_ptr, w_desc, ws_ptr, y_ptr, sorted_rows_ptr, counts_ptr,
     num_local, H, I, num_m,
@@ -312,6 +313,12 @@ def pick_configs_fp8(tokens: int, top_k: int, num_local: int, hidden: int, inter
         g1 = dict(BLOCK_M=64, num_warps=8, num_stages=3, GROUP_M=4)
         g2 = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4, USE_TMA=True, GROUP_M=4)
     return g1, g2
+
+
+def kernel_variants_fp8(tokens: int, top_k: int, num_local: int, hidden: int, inter: int) -> tuple:
+    """As ``triton_moe.kernel_variants``, for ``fused_moe_fp8_triton``."""
+    g1, g2 = pick_configs_fp8(tokens, top_k, num_local, hidden, inter)
+    return tuple(tuple(sorted(d.items())) for d in (schedule_block(tokens * top_k), g1, g2))
 
 
 # ----------------------------------------------------------------------------------------------

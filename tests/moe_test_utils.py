@@ -1,6 +1,7 @@
 """Helpers shared by the MoE kernel tests: random inputs, relative error, and for the GPU tests the
 model shapes, fresh seeds, routings, a one-family weight cache and NaN-poisoned calls."""
 
+import contextlib
 import json
 import pathlib
 
@@ -82,6 +83,51 @@ def cached_weights(key, make):
         torch.cuda.empty_cache()
         _WEIGHTS[key] = make()
     return _WEIGHTS[key]
+
+
+@contextlib.contextmanager
+def triton_compiles():
+    """The names of the Triton kernels compiled (first calls of a variant in this process, from
+    source or Triton's disk cache) inside the block, through the hook vLLM's JIT monitor uses."""
+    from triton import knobs
+
+    names: list[str] = []
+    previous = knobs.runtime.jit_post_compile_hook
+
+    def hook(**kwargs):
+        names.append(getattr(kwargs.get("fn"), "name", "?"))
+        return previous(**kwargs) if previous is not None else None
+
+    knobs.runtime.jit_post_compile_hook = hook
+    try:
+        yield names
+    finally:
+        knobs.runtime.jit_post_compile_hook = previous
+
+
+def check_warm_up_leaves_nothing_to_compile(call, warm, max_tokens: int, boundaries: list[int]):
+    """After ``warm(example args of 1 token, max_tokens)`` (``kernels.warm_up``), ``call(tokens)``
+    at random token counts up to ``max_tokens`` and at the variant ``boundaries`` compiles nothing;
+    the hook does see a kernel that never ran (so an empty list means something)."""
+    import triton
+    import triton.language as tl
+
+    warm()
+    g = torch.Generator().manual_seed(fresh_seed())
+    sizes = sorted({int(t) for t in torch.randint(1, max_tokens + 1, (40,), generator=g)} | {1, max_tokens, *boundaries})
+    with triton_compiles() as names:
+        for tokens in sizes:
+            call(tokens)
+        torch.cuda.synchronize()
+    assert names == [], f"compiled after warm_up: {names} (token counts {sizes})"
+
+    @triton.jit
+    def never_ran(p, SEED: tl.constexpr):
+        tl.store(p, SEED)
+
+    with triton_compiles() as names:
+        never_ran[(1,)](torch.empty(1, device=DEV, dtype=torch.int32), SEED=fresh_seed() % 1000)
+    assert names == ["never_ran"]
 
 
 def routing(tokens, experts, top_k, *, skewed=False, gen=None):

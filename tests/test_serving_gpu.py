@@ -230,6 +230,13 @@ def test_prompt_longer_than_the_largest_cuda_graph(servers, family):
     _print_drift(f"{family} {tokens}-token prompt, kittens vs stock", [ours], [theirs])
     assert_greedy_agrees([ours], [theirs], NEAR if family in BF16_FAMILIES else FP8_NEAR)
     assert layer_stats(kittens)["layers"][0]["ranks"][0]["tokens"] >= before + tokens
+    # Every kittens kernel was compiled at start-up (KittensExperts._warm_up), none while serving:
+    # vLLM's JIT monitor warns of a Triton compile after its warm-up.
+    log = kittens.log()
+    assert "kittens: compiled the kernels of" in log
+    late = [line for line in log.splitlines() if "JIT compilation during inference: _moe_" in line
+            or "JIT compilation during inference: _fp8_" in line]
+    assert not late, late
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

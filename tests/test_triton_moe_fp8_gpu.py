@@ -15,11 +15,12 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("triton")
 
-from mok_serve.kernels import fused_moe_fp8, fused_moe_fp8_reference  # noqa: E402
+from mok_serve.kernels import fused_moe_fp8, fused_moe_fp8_reference, warm_up, warm_up_token_counts  # noqa: E402
 from mok_serve.kernels.fp8 import quantize_fp8_blocks  # noqa: E402
 from mok_serve.kernels.triton_moe_fp8 import fused_moe_fp8_triton, pick_configs_fp8  # noqa: E402
 from moe_test_utils import (  # noqa: E402
     DEV, FAMILIES, SHAPES, cached_weights, check_bad_ids_masked_and_reported, check_batch_invariant, check_graph_replay,
+    check_warm_up_leaves_nothing_to_compile,
     check_nan_stays_in_its_token, fresh_seed, poisoned_call, rel_err, routing,
 )
 
@@ -154,3 +155,22 @@ def test_odd_shapes_not_multiples_of_128():
         tw, ids = routing(tokens, E, 3, gen=g)
         out = poisoned_call(fused_moe_fp8, x, *fp8, tw, ids)
         assert rel_err(out, fused_moe_fp8_reference(x, *fp8, tw, ids)) <= 3e-2
+
+
+def test_warm_up_leaves_nothing_to_compile():
+    """As the bf16 test: kernels.warm_up with FP8 scales compiles every FP8 variant in advance."""
+    q13, q2, s13, s2 = weights_for("Qwen3-30B-A3B")
+    E, H, I = q13.shape[0], q13.shape[2], q13.shape[1] // 2
+    max_tokens = 3000
+    counts = warm_up_token_counts(E, H, I, 8, max_tokens, fp8=True)
+
+    def args(tokens):
+        tw, ids = routing(tokens, E, 8)
+        return torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16), q13, q2, s13, s2, tw, ids
+
+    def warm():
+        x, _, _, _, _, tw, ids = args(1)
+        assert warm_up(x, q13, q2, tw, ids, max_tokens, w13_scale=s13, w2_scale=s2) == counts
+
+    boundaries = [b for c in counts[1:] for b in (c - 1, c)]
+    check_warm_up_leaves_nothing_to_compile(lambda t: fused_moe_fp8(*args(t)), warm, max_tokens, boundaries)

@@ -16,10 +16,11 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("triton")
 
-from mok_serve.kernels import fused_moe, triton_moe  # noqa: E402
+from mok_serve.kernels import fused_moe, triton_moe, warm_up, warm_up_token_counts  # noqa: E402
 from mok_serve.kernels.triton_moe import fused_moe_triton, pick_configs  # noqa: E402
 from moe_test_utils import (  # noqa: E402
     DEV, FAMILIES, SHAPES, cached_weights, check_bad_ids_masked_and_reported, check_batch_invariant, check_decode_one_launch_bits,
+    check_warm_up_leaves_nothing_to_compile,
     check_decode_wait_gives_up, check_graph_replay, check_nan_stays_in_its_token, fresh_seed, poisoned_call, rel_err,
     routing,
 )
@@ -259,3 +260,22 @@ def test_model_greedy_tokens_match_transformers(family, tmp_path):
         ours = _greedy(model, tok, prompts, 16)
     print(family, theirs, ours)
     assert ours == theirs
+
+
+def test_warm_up_leaves_nothing_to_compile():
+    """A server that ran kernels.warm_up at start-up never stalls on a compile: before it, vLLM's
+    warm-up (its largest batch, the captured sizes) left Qwen3-30B-A3B's 769-2560-token variant to
+    a serving step, a 1.7 s stall (loadtest/results/h200_serving_a294c32)."""
+    w13, w2 = weights_for("Qwen3-30B-A3B")
+    E, H, I = w13.shape[0], w13.shape[2], w13.shape[1] // 2
+    max_tokens = 3000
+    assert warm_up_token_counts(E, H, I, 8, max_tokens) == [1, 2, 3, 33, 129, 257, 769, 2561]
+
+    def args(tokens):
+        tw, ids = routing(tokens, E, 8)
+        return torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16), w13, w2, tw, ids
+
+    def warm():
+        assert warm_up(*args(1), max_tokens) == warm_up_token_counts(E, H, I, 8, max_tokens)
+
+    check_warm_up_leaves_nothing_to_compile(lambda t: fused_moe(*args(t)), warm, max_tokens, [768, 769, 2560, 2561])

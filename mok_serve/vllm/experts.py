@@ -4,6 +4,8 @@ vLLM keeps everything around the experts (weight creation and loading, expert ma
 prepare/finalize, the runner); ``--moe-backend kittens`` swaps the experts for ``fused_moe``.
 """
 
+import time
+
 import torch
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 from vllm.logger import init_logger
@@ -21,12 +23,15 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import QuantKey
 from vllm.model_executor.utils import replace_parameter
 from vllm.platforms import current_platform
 
-from mok_serve.kernels import cpu_moe, fused_moe
+from mok_serve.kernels import cpu_moe, fused_moe, warm_up
 from mok_serve.vllm import KITTENS, expert_parallel
 from mok_serve.vllm import timing
 
 # vLLM configures handlers for its own logger tree only.
 logger = init_logger("vllm.mok_serve")
+
+# Layer shapes and dtypes whose kernels KittensExperts._warm_up compiled in this process.
+_WARMED_UP: set[tuple] = set()
 
 
 class KittensExperts(mk.FusedMoEExpertsModular):
@@ -39,6 +44,7 @@ class KittensExperts(mk.FusedMoEExpertsModular):
         # dispatch and combine to the experts; without data parallelism all ranks hold the same tokens.
         parallel = moe_config.moe_parallel_config
         self.owns_dispatch = parallel.use_passthrough_all2all
+        self._warmed_up = False
         if self.owns_dispatch:
             expert_parallel.configure(moe_config.max_num_tokens, replicated_tokens=parallel.dp_size == 1)
 
@@ -137,7 +143,29 @@ class KittensExperts(mk.FusedMoEExpertsModular):
             return expert_parallel.ep_fused_moe(
                 hidden_states, w1, w2, topk_weights, topk_ids, expert_map, self._timing_slot
             )
+        if not self._warmed_up:
+            self._warm_up(hidden_states, w1, w2, topk_weights, topk_ids, expert_map)
         return fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, expert_map=expert_map)
+
+    def _warm_up(self, hidden_states, w1, w2, topk_weights, topk_ids, expert_map, **scales) -> None:
+        """At a layer's first call (vLLM's memory-profiling run, before any CUDA graph), compile
+        every kernel variant of calls up to vLLM's batch limit (``kernels.warm_up``): vLLM's own
+        warm-up runs the largest batch and the captured sizes only, and a variant first met while
+        serving stalled the server for ~1.7 s (Qwen3-30B-A3B on an H200, 769-2560-token steps).
+        Once per layer shape: a model's layers share their kernels."""
+        self._warmed_up = True
+        if not hidden_states.is_cuda or torch.cuda.is_current_stream_capturing():
+            return
+        key = (tuple(w1.shape), tuple(w2.shape), w1.dtype, hidden_states.dtype, topk_weights.dtype, topk_ids.dtype,
+               expert_map is None, hidden_states.device, self.moe_config.max_num_tokens)
+        if key in _WARMED_UP:
+            return
+        _WARMED_UP.add(key)
+        start = time.perf_counter()
+        counts = warm_up(hidden_states, w1, w2, topk_weights, topk_ids, self.moe_config.max_num_tokens,
+                         expert_map=expert_map, **scales)
+        logger.info("kittens: compiled the kernels of %d to %d-token calls (%d variants, first at %s tokens) in %.1f s",
+                    1, self.moe_config.max_num_tokens, len(counts), counts, time.perf_counter() - start)
 
 
 class TimedMoEMethod:

@@ -75,6 +75,9 @@ class KittensFp8Experts(KittensExperts):
                 hidden_states, w1, w2, self.w1_scale, self.w2_scale, topk_weights, topk_ids, expert_map,
                 self._timing_slot,
             )
+        if not self._warmed_up:
+            self._warm_up(hidden_states, w1, w2, topk_weights, topk_ids, expert_map, w13_scale=self.w1_scale,
+                          w2_scale=self.w2_scale, block_shape=tuple(self.block_shape))
         return fused_moe_fp8(
             hidden_states,
             w1,
