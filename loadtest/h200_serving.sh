@@ -31,7 +31,7 @@ mok-loadtest serve --url "$backend=http://127.0.0.1:$port" --model "$model" \
   --workload "512:256:c=1,8,32,128,256:rate=$rate" --workload 4096:64:c=1,32 \
   --num-requests 8 --requests-per-stream 2 --rate-seconds 20 --max-duration 40 --no-progress --out "$dir" || true
 if [[ ${BENCH:-0} == 1 ]]; then
-  vllm bench serve --base-url "http://127.0.0.1:$port" --model "$shape" --tokenizer "$model" \
+  python3 -m vllm.entrypoints.cli.main bench serve --base-url "http://127.0.0.1:$port" --model "$shape" --tokenizer "$model" \
     --dataset-name random --random-input-len 512 --random-output-len 256 --num-prompts 64 \
     --max-concurrency 32 --num-warmups 32 --ignore-eos --seed 1 --disable-tqdm \
     --save-result --result-dir "$dir" --result-filename vllm_bench.json

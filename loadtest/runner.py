@@ -167,7 +167,7 @@ async def run_target(
     ``progress(run name, record)`` after each measured request, ``progress(run name, None)`` when a
     run's measured requests start or the run is skipped."""
     results: list[dict[str, Any]] = []
-    connector = aiohttp.TCPConnector(limit=0, force_close=False, keepalive_timeout=60)
+    connector = aiohttp.TCPConnector(limit=0, force_close=False, keepalive_timeout=3)
     async with aiohttp.ClientSession(connector=connector, trust_env=False) as session:
         layers_available = opts.layers
         skip_reason: str | None = None
