@@ -160,9 +160,10 @@ def _legend(fig, results: dict[str, Any], percentiles: bool = False, distorted: 
     return (0.3 * rows + 0.1) / fig.get_figheight()
 
 
-def throughput_figure(results: dict[str, Any]):
-    """Output tokens/s against concurrency and against the Poisson request rate; with several
-    workloads, a row of panels per workload."""
+def _per_run_figure(results: dict[str, Any], points_of, ylabel: str, title: str):
+    """One value per run against concurrency and against the Poisson request rate, a line per
+    server; with several workloads, a row of panels per workload. ``points_of(target, kind,
+    workload)`` gives a server's (x, value, distorted) points."""
     workloads, kinds = panel_grid(results)
     if not kinds:
         return None
@@ -177,15 +178,38 @@ def throughput_figure(results: dict[str, Any]):
                 _no_runs(ax, kind)
                 continue
             for j, t in enumerate(targets):
-                _plot(ax, series(t, ("output_throughput",), kind, workload), j, len(targets),
-                      styles(targets)[t["name"]])
+                _plot(ax, points_of(t, kind, workload), j, len(targets), styles(targets)[t["name"]])
             _x_axis(ax, values, kind)
-            ax.set_ylabel("output tokens/s")
-            _title(ax, f"Output tokens/s vs {X_AXES[kind].split(' (')[0]}", workload)
+            ax.set_ylabel(ylabel)
+            _title(ax, f"{title} vs {X_AXES[kind].split(' (')[0]}", workload)
             _y_from_zero([ax])
             ax.grid(alpha=0.3)
     fig.tight_layout(rect=(0, 0, 1, 1 - _legend(fig, results)))
     return fig
+
+
+def throughput_figure(results: dict[str, Any]):
+    """Output tokens/s against concurrency and against the Poisson request rate."""
+    return _per_run_figure(results, lambda t, kind, w: series(t, ("output_throughput",), kind, w),
+                           "output tokens/s", "Output tokens/s")
+
+
+def moe_share_points(target: dict[str, Any], kind: str, workload: tuple | None = None) -> list[tuple[float, float, bool]]:
+    """(x, MoE share in %, False) of the target's runs with a MoE share (``metrics.moe_step_share``)."""
+    points = []
+    for run in runs_of(target, workload):
+        x, share = x_of(run, kind), (run.get("moe") or {}).get("moe_share")
+        if x is not None and share is not None:
+            points.append((x, 100.0 * share, False))
+    return sorted(points)
+
+
+def moe_share_figure(results: dict[str, Any]):
+    """The MoE layers' share of the step time per run: the most that a faster MoE layer can move
+    the end-to-end figures. None when no server reported per-layer timing."""
+    if not any(r.get("moe") for t in results["targets"] for r in t.get("runs", [])):
+        return None
+    return _per_run_figure(results, moe_share_points, "MoE share of the step time (%)", "MoE share")
 
 
 def latency_figure(results: dict[str, Any]):
@@ -297,7 +321,8 @@ def layers_figure(results: dict[str, Any]):
 def write_plots(results: dict[str, Any], folder: Path) -> list[Path]:
     plt = _pyplot()
     paths = []
-    for name, make in (("throughput", throughput_figure), ("latency", latency_figure), ("layers", layers_figure)):
+    for name, make in (("throughput", throughput_figure), ("latency", latency_figure), ("layers", layers_figure),
+                       ("moe_share", moe_share_figure)):
         fig = make(results)
         if fig is None:
             continue

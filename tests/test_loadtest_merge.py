@@ -35,7 +35,7 @@ def test_two_runs_merge_into_one_comparison(fake_server, tmp_path):
     report = (out / "report.md").read_text()
     assert "| metric | stock | kittens | kittens/stock |" in report
     assert "## Run `c=4`" in report and "Versions: commit " in report
-    assert {p.name for p in out.glob("*.png")} == {"throughput.png", "latency.png", "layers.png"}
+    assert {p.name for p in out.glob("*.png")} == {"throughput.png", "latency.png", "layers.png", "moe_share.png"}
 
 
 def test_runs_that_differ_are_refused_naming_the_difference(fake_server, tmp_path, capsys):

@@ -309,7 +309,7 @@ def test_two_workloads_against_one_server_end_to_end(fake_server, tmp_path):
     report = (out / "report.md").read_text()
     assert "random 24 in / 6 out tokens" in report and "random 48 in / 3 out tokens" in report
     assert "## Run `24/6 rate=50`" in report and "## Run `48/3 c=2`" in report and "| MoE share |" in report
-    assert {p.name for p in out.glob("*.png")} == {"throughput.png", "latency.png", "layers.png"}
+    assert {p.name for p in out.glob("*.png")} == {"throughput.png", "latency.png", "layers.png", "moe_share.png"}
 
 
 def test_layers_plot_wraps_many_runs_into_rows():
@@ -328,3 +328,18 @@ def test_layers_plot_wraps_many_runs_into_rows():
     fig.canvas.draw()
     legend = fig.legends[0].get_window_extent()
     assert all(legend.y0 > ax.get_window_extent().y1 for ax in drawn)
+
+
+def test_moe_share_plot_points_and_absence():
+    from mok_serve.loadtest import plots
+
+    def run(c, share):
+        return {"spec": {"name": f"c={c}", "concurrency": c, "rate": None, "input_len": 8, "output_len": 4},
+                "summary": {"completed": 1}, "moe": None if share is None else {"moe_share": share}}
+
+    target = {"name": "kittens", "runs": [run(8, 0.61), run(1, 0.32), run(32, None)]}
+    assert plots.moe_share_points(target, "concurrency") == [(1, 32.0, False), (8, 61.0, False)]
+    assert plots.moe_share_points(target, "rate") == []
+    assert plots.moe_share_figure({"targets": [{"name": "stock", "runs": [run(1, None)]}]}) is None
+    fig = plots.moe_share_figure({"targets": [target]})
+    assert fig.axes[0].get_ylabel() == "MoE share of the step time (%)"
