@@ -35,7 +35,6 @@ import numpy as np
 from . import bunching
 
 PERCENTILES = (50.0, 90.0, 99.0)
-LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 
 
 @dataclass
@@ -73,11 +72,6 @@ class RequestRecord:
         d["arrivals"] = bunching.arrivals(self.itl) if self.success else 0
         d["bunched"] = bunching.is_bunched(self.success, self.output_tokens, self.itl)
         return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "RequestRecord":
-        names = cls.__dataclass_fields__.keys()
-        return cls(**{k: v for k, v in d.items() if k in names})
 
 
 def stats(values_s: list[float], percentiles=PERCENTILES) -> dict[str, float | None]:

@@ -44,10 +44,6 @@ def vocab_of(tok) -> np.ndarray:
     return np.asarray(ids, dtype=np.int64)
 
 
-def vocab_from_tokenizer(tokenizer_path: str | os.PathLike) -> np.ndarray:
-    return vocab_of(load_tokenizer(tokenizer_path))
-
-
 def ids_to_text(tok, ids: list[int], target_len: int, vocab: np.ndarray, rng: np.random.Generator,
                 max_retry: int = 10, max_draws: int = 50) -> tuple[str, int]:
     """Text whose re-encoding has ``target_len`` tokens, as vLLM's random dataset makes it

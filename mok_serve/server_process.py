@@ -125,13 +125,6 @@ class ServerProcess:
         self.stop()
         raise ServerError(f"server not healthy after {self.startup_timeout:.0f} s:\n{self.log()[-4000:]}")
 
-    def wait_exit(self, timeout: float) -> int:
-        """Wait for a server expected to fail at start-up; returns its exit code."""
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            self.stop()
-
     def pause(self) -> None:
         """Freeze every process of the server (SIGSTOP to its process group): a benchmark of another
         server on the same cores then runs undisturbed (no polling, no periodic logging)."""
