@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from . import provenance
+from . import history, provenance
 from .bunching import BURST_GAP_S, DISTORTED_SHARE, MIN_TOKENS_PER_ARRIVAL
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -305,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="results folder (default: ./mok-loadtest-results/<date-time>)",
     )
     g.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNG plots")
+    history.add_arguments(g)
     g.add_argument(
         "--no-progress", dest="progress", action="store_false",
         help="no progress bar (it counts measured requests; its ETA is their pace while runs are under way, "
@@ -760,6 +761,7 @@ def serve_main(args, argv: list[str]) -> int:
         print(f"mok-loadtest: plots not written: {results['plot_error']}", file=sys.stderr)
     report.write_json(results, folder)
     report.write_markdown(results, folder, plots)
+    history.write(history.serve_rows(results), history.resolve(args), "mok-loadtest")
     print(report.console_summary(results, folder, code))
     return code
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import datetime
 import gc
 import os
 import platform
@@ -48,6 +49,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from . import history
 
 RESULTS = Path(__file__).parent / "results"
 FAMILIES = ("qwen3_moe", "deepseek_v3", "glm4_moe")
@@ -337,6 +340,7 @@ def server_main(args, shapes: list[str], rev: str, model: str, flags: str) -> in
                      f"{r['tokens'] / max(1, r['calls']):.2f} | {r['mean_ms']:.3f} | {r['p50_ms']:.3f} |")
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {out / name}.csv and .md")
+    history.write(history.cpu_server_rows(_history_meta(rev, model), rows), history.resolve(args), "cpu_layer_bench")
     return 0
 
 
@@ -354,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-concurrency", default="1,8")
     p.add_argument("--server-requests", type=int, default=16)
     p.add_argument("--server-repeats", type=int, default=2, help="kittens/stock server pairs per family")
+    history.add_arguments(p)
     args = p.parse_args(argv)
     if args.server:
         shapes = args.shapes.split(",")
@@ -405,7 +410,21 @@ def main(argv: list[str] | None = None) -> int:
         w.writerows(rows)
     write_md(out / f"{name}.md", rows, meta)
     print(f"wrote {out / name}.csv and .md")
+    history.write(history.cpu_layer_bench_rows({**_history_meta(rev, model), **meta}, rows), history.resolve(args),
+                  "cpu_layer_bench")
     return 0
+
+
+def _history_meta(rev: str, model: str) -> dict:
+    """The run's date, commit, CPU and versions for ``history`` rows."""
+    try:
+        import vllm
+
+        vllm_version = vllm.__version__
+    except ImportError:
+        vllm_version = None
+    return dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), commit=rev, cpu=model,
+                torch=torch.__version__, vllm=vllm_version)
 
 
 if __name__ == "__main__":

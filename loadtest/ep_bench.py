@@ -60,6 +60,7 @@ import traceback
 
 import torch
 
+from . import history
 from .gpu_clocks import ClockSampler, clock_text
 
 PEAK_FLOPS, PEAK_HBM, PEAK_NVLINK = 790e12, 4.4e12, 3.3e11
@@ -652,6 +653,7 @@ def main(argv=None):
                    help="also time kittens on a workspace of N tokens per rank, sized by N and by the row's tokens")
     p.add_argument("--replot", metavar="RESULT.json", default=None,
                    help="redraw RESULT.md and RESULT.png from an earlier run's JSON (no GPU) and exit")
+    history.add_arguments(p)
     args = p.parse_args(argv)
     if args.replot:
         src = pathlib.Path(args.replot)
@@ -680,6 +682,8 @@ def main(argv=None):
         meta["fp8_tflops"] = rates[0] / 1e12 if rates else float("nan")
     if rows is not None:
         print(write_results(rows, meta, pathlib.Path(args.out)))
+        history.write(history.ep_bench_rows(meta, rows, "ep_bench_fp8" if args.fp8 else "ep_bench"),
+                      history.resolve(args), "ep_bench")
     for e in errors:
         print(e, file=sys.stderr)
     return 1 if errors else 0

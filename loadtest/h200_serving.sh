@@ -4,7 +4,7 @@
 # graphs, torch.compile, chunked prefill). One backend per call, as a server start takes ~2.5 min
 # and one device call cannot hold two starts and both grids:
 #   bash loadtest/h200_serving.sh SHAPE BACKEND OUT [RATE]    # BACKEND: stock or kittens
-#   mok-loadtest merge OUT/stock OUT/kittens --out OUT        # after both: one report
+#   mok-loadtest merge OUT/stock OUT/kittens --out OUT        # after both: one report (and the history.csv rows)
 # Results go to OUT/BACKEND (results.json, report.md, plots, server.log). With BENCH=1, vLLM's own
 # `vllm bench serve` then measures the 512/256 concurrency-32 point on the same server
 # (OUT/BACKEND/vllm_bench.json) for the cross-check. Set MOK_COMMIT where the tree has no .git.
@@ -29,7 +29,7 @@ curl -sf "localhost:$port/health" >/dev/null || { echo "server not up after 400 
 echo "$backend serving after $SECONDS s"
 mok-loadtest serve --url "$backend=http://127.0.0.1:$port" --model "$model" \
   --workload "512:256:c=1,8,32,128,256:rate=$rate" --workload 4096:64:c=1,32 \
-  --num-requests 8 --requests-per-stream 2 --rate-seconds 20 --max-duration 40 --no-progress --out "$dir" || true
+  --num-requests 8 --requests-per-stream 2 --rate-seconds 20 --max-duration 40 --no-progress --no-history --out "$dir" || true
 if [[ ${BENCH:-0} == 1 ]]; then
   python3 -m vllm.entrypoints.cli.main bench serve --base-url "http://127.0.0.1:$port" --model "$shape" --tokenizer "$model" \
     --dataset-name random --random-input-len 512 --random-output-len 256 --num-prompts 64 \

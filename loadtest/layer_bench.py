@@ -67,7 +67,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from . import provenance
+from . import history, provenance
 from .gpu_clocks import ClockSampler, clock_text
 from .l2_rates import l2_read_bandwidth
 
@@ -662,10 +662,6 @@ SWEEP_POINTS = [
     ("DeepSeek-V3", 2048, "uniform"), ("DeepSeek-V3", 8192, "uniform"), ("Kimi-K2", 8192, "uniform"),
     ("Qwen3-30B-A3B", 2048, "uniform"), ("Qwen3-30B-A3B", 8192, "uniform"),
 ]
-
-
-def _cfg(bm, bn, warps, stages, bk, **kw):
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **kw)
 
 
 def sweep_variants(tokens, top_k, E, H, I):
@@ -1319,6 +1315,7 @@ def main(argv: list[str] | None = None) -> int:
                    "with --sweep, the FP8 kernels' variants")
     p.add_argument("--replot", metavar="RESULT.json", default=None,
                    help="rewrite RESULT.md and RESULT.png from an earlier run's JSON (no GPU) and exit")
+    history.add_arguments(p)
     args = p.parse_args(argv)
     if args.replot:
         src = pathlib.Path(args.replot)
@@ -1430,6 +1427,8 @@ def run(args, shapes, meta, out, log, clocks) -> int:
     meta["eager_target"] = dict(met=sum(judged), judged=len(judged), rows=len(rows))
     (out / f"{args.name}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     (write_markdown_fp8 if args.fp8 else write_markdown)(meta, rows, out / f"{args.name}.md")
+    history.write(history.layer_bench_rows(meta, rows, "layer_bench_fp8" if args.fp8 else "layer_bench"),
+                  history.resolve(args), "layer_bench")
     try:
         write_plot(rows, out / f"{args.name}.png")
     except Exception as exc:  # noqa: BLE001

@@ -7,6 +7,8 @@ server starts, say), run ``mok-loadtest serve --backends stock --out DIR/stock``
 report and the plots, as if one run had measured both. Runs that differ in anything but the
 servers (workload, seeds, request counts, model, client options) are refused, naming what differs.
 Each target keeps the environment (commit, versions, machine) of the run that measured it.
+The merged runs' rows go to ``loadtest/results/history.csv`` (``history``; ``--history PATH``,
+``--no-history``): give the separate serve runs ``--no-history`` so that each is counted once.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import report
+from . import history, report
 from .cli import EXIT_USAGE, exit_code_of
 from .plots import write_plots
 
@@ -98,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", default=None, metavar="NAME",
                         help="the server the ratios divide by (default: 'stock' if present, else the first server)")
     parser.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNG plots")
+    history.add_arguments(parser)
     args = parser.parse_args(argv)
     try:
         merged = merge([load(f) for f in args.folders], [f.resolve() for f in args.folders], args.baseline)
@@ -118,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"mok-loadtest merge: plots not written: {merged['plot_error']}", file=sys.stderr)
     report.write_json(merged, args.out)
     report.write_markdown(merged, args.out, plots)
+    history.write(history.serve_rows(merged), history.resolve(args), "mok-loadtest merge")
     print(report.console_summary(merged, args.out, code))
     return code
 
