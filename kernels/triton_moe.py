@@ -783,14 +783,14 @@ def pick_configs(tokens: int, top_k: int, num_local: int, hidden: int, inter: in
         if one_launch and busy <= top_k and bn2 >= 128:
             # One token's experts: the last two row tiles in use take half-width GEMM2 items, so
             # the items drawn last are short (interleaved sweeps, 5 repeats: 1 token 0-4% faster
-            # on four shapes, e.g. Qwen3-235B-A22B skewed 0.068 vs 0.071 ms, sweep_tail_3e74f2c.log;
-            # 2 tokens within 1 us either way, 8 tokens tie, sweep_two_70c7c60.log).
+            # on four shapes, e.g. Qwen3-235B-A22B skewed 0.068 vs 0.071 ms, git history: loadtest/results/sweep_tail_3e74f2c.log at 70c7c60;
+            # 2 tokens within 1 us either way, 8 tokens tie, git history: loadtest/results/sweep_two_70c7c60.log at e533052).
             g2["NARROW_TAIL"] = 2
         return dict(BLOCK_N=bn1, BLOCK_K=_kdim_block(hidden, 128), num_stages=stages1, **tile), g2
     bk1, bk2 = _kdim_block(hidden), _kdim_block(inter)
     if avg <= 48:
         # Weight streaming: fill 132 SMs with narrow column tiles. 4 stages fit more programs per
-        # SM than 5 (sweeps at d12e81a/c32df4d, loadtest/results/sweep_{decode,mid,stages}_*.json:
+        # SM than 5 (sweeps at d12e81a/c32df4d, loadtest/results/history.csv, commits d12e81a and c32df4d:
         # 1-7% faster at 8-128 tokens on all five shapes).
         bn1 = 64
         while bn1 > 16 and busy * triton.cdiv(inter, bn1) < 2 * _SMS:
@@ -817,7 +817,7 @@ _SMS = 132
 def _gemm2_columns(busy: int, hidden: int, few: bool, least: int) -> int:
     """GEMM2's column tile (at least ``least``) where weights are streamed. With few experts busy
     one program per SM streams enough, and wider tiles are faster (interleaved sweep at b22b37b,
-    sweep_g2n_b22b37b.json: 1-2 tokens, all five shapes, 0-12% faster than half as wide); beyond,
+    history.csv (commit b22b37b): 1-2 tokens, all five shapes, 0-12% faster than half as wide); beyond,
     two programs per SM."""
     bn2, min_programs = (256, _SMS) if few else (128, 2 * _SMS)
     while bn2 > least and busy * triton.cdiv(hidden, bn2) < min_programs:

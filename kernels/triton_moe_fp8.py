@@ -300,7 +300,7 @@ def pick_configs_fp8(tokens: int, top_k: int, num_local: int, hidden: int, inter
         if swap:
             # As triton_moe's decode regime: weight columns on wgmma's M side, 16- or 32-row token
             # tiles, so the shared memory holds weight tiles and GEMM1 fits 6 stages (34-36 KB each).
-            # Sweeps at 19e0e05 and 1ff7aa2 (sweep_fp8_swap_19e0e05.log, sweep_fp8_m32_1ff7aa2.log,
+            # Sweeps at 19e0e05 and 1ff7aa2 (git history: loadtest/results/sweep_fp8_swap_19e0e05.log at bc6ca55, git history: loadtest/results/sweep_fp8_m32_1ff7aa2.log at d7a715b,
             # DeepSeek-V3 and Kimi-K2, 1-512 tokens): 12-19% faster than 64-row tiles; 16 rows best up
             # to 10.7 rows per expert, 32 rows at 16 (where 16-row tiles split more experts in two).
             bm = 16 if avg <= 12 else 32

@@ -590,7 +590,7 @@ def _misses_markdown(misses) -> list[str]:
     out = ["", "## Targets not met: by how much", "",
            "needs x floor below 1 means the target lies below the floor, where no implementation can meet it. "
            "Where the time of the others goes (per-kernel profiles of both ranks): kernels/NOTES.md, Expert "
-           "parallel, and `loadtest/results/ep_profile_*.md`.", "",
+           "parallel, and git history: `loadtest/results/ep_profile_*.md` at bb4459a.", "",
            "| shape | tokens/rank | routing | target | needs ms | kittens ms | short by | floor ms (bound) | "
            "needs x floor | wait(C) share of the call | reading |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in misses:

@@ -265,7 +265,7 @@ def test_model_greedy_tokens_match_transformers(family, tmp_path):
 def test_warm_up_leaves_nothing_to_compile():
     """A server that ran kernels.warm_up at start-up never stalls on a compile: before it, vLLM's
     warm-up (its largest batch, the captured sizes) left Qwen3-30B-A3B's 769-2560-token variant to
-    a serving step, a 1.7 s stall (loadtest/results/h200_serving_a294c32)."""
+    a serving step, a 1.7 s stall (loadtest/results/h200_serving/qwen3-30b-a3b)."""
     w13, w2 = weights_for("Qwen3-30B-A3B")
     E, H, I = w13.shape[0], w13.shape[2], w13.shape[1] // 2
     max_tokens = 3000
