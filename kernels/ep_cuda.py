@@ -36,8 +36,9 @@ One call, on rank ``me`` (launches in stream order; epoch ``e``):
    per local expert, its rows in (source rank, token, k) order; positions by prefix sums only.
 5. ``gemm1`` / ``gemm2``: ``triton_moe``'s grouped GEMM tiles (same block sizes rule, BLOCK_K per
    shape, no split-K). With ``pull_in_gemm1`` (bf16, opt-in: ``MOK_EP_PULL_IN_GEMM1=1`` until it
-   is measured on 2 GPUs, kernels/NOTES.md) GEMM1 (``_ep_gemm1_pull_kernel``) pulls the rows
-   itself, each needed row once, from the source's ``x`` into ``xl``: chunks of ``PULL_BT`` tokens
+   is measured on 2 GPUs, loadtest/JOURNAL.md#rows-pulled-inside-gemm1-at-ep2-445621b-2026-11-30)
+   GEMM1 (``_ep_gemm1_pull_kernel``) pulls the rows itself, each needed row once, from the source's
+   ``x`` into ``xl``: chunks of ``PULL_BT`` tokens
    are claimed from a queue, copied and flagged ready (an epoch per chunk, release at GPU scope),
    and each tile starts once the chunks of its rows are ready (acquire, bounded wait), so tiles
    compute while other chunks are still crossing NVLink. Tiles keep the one-GPU expert-major
@@ -66,8 +67,9 @@ call (or ``check_errors()``, which synchronises) raises it. With ``MOK_EP_SYNC_C
 ``sync_check=True``) every call synchronises and raises at once (debug mode). Under CUDA-graph
 replay only ``check_errors()`` reports.
 
-Not done (see kernels/NOTES.md "Expert parallel"): the in-GEMM1 pull is not the default yet
-and FP8 rows are always pulled before GEMM1; GEMM2 and the return do not overlap.
+Not done (see loadtest/JOURNAL.md#not-done--next and kernels/DESIGN.md#open-items): the in-GEMM1
+pull is not the default yet and FP8 rows are always pulled before GEMM1; GEMM2 and the return do
+not overlap.
 """
 
 from __future__ import annotations

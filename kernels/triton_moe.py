@@ -34,7 +34,8 @@ GEMMs (the schedule launch zeroes the kernel's sync words).
 Every kernel is launched with programmatic dependent launch on Hopper and newer (``pdl_launch``):
 it waits for the previous kernel in the stream before touching memory (``_grid_dependency``) and
 lets the next one's programs start early, which hides the launch gaps (~2 us per call at decode
-sizes, kernels/NOTES.md); ``MOK_PDL=0`` launches them the ordinary way.
+sizes, loadtest/JOURNAL.md#programmatic-dependent-launch-55183c9-2026-11-30); ``MOK_PDL=0``
+launches them the ordinary way.
 
 Batch invariance: every output element of a GEMM accumulates its K dimension in the same order
 (wgmma's 16-deep k-steps, in increasing k, chained on one fp32 accumulator, no split-K) whatever the
@@ -749,9 +750,10 @@ def pick_configs(tokens: int, top_k: int, num_local: int, hidden: int, inter: in
     up to 8 -> decode: operands swapped (``SWAP_AB``: weight columns on wgmma's M side, 16-row token
     tiles on its N side), 128-deep K blocks and deep pipelines, narrow column tiles so that a few
     hundred programs read weights; up to 48 -> weight streaming with 64-row tiles; more rows ->
-    128-row tiles, 128x256 output tiles. Measured on an H200 (kernels/NOTES.md). Every regime gives
-    the same bits for a row: each output element chains the same 16-deep wgmma k-steps on one fp32
-    accumulator in K order, whatever the tile shape, the operand order or the K block.
+    128-row tiles, 128x256 output tiles. Measured on an H200 (kernels/DESIGN.md#tiling-regimes,
+    loadtest/JOURNAL.md#versions). Every regime gives the same bits for a row: each output element
+    chains the same 16-deep wgmma k-steps on one fp32 accumulator in K order, whatever the tile
+    shape, the operand order or the K block.
 
     ``one_launch``: at decode sizes, configs for both GEMMs in one launch (``ONE_LAUNCH`` in GEMM1's
     config, see ``one_launch_decode``); elsewhere it changes nothing.
@@ -775,7 +777,8 @@ def pick_configs(tokens: int, top_k: int, num_local: int, hidden: int, inter: in
         if one_launch:
             # One kernel holds both GEMMs, so a program's shared memory is the larger one's: keep
             # both within half an SM (GEMM1 64 columns at 4 stages, GEMM2 128 columns at 3: ~110 KB)
-            # so that two programs per SM run either (sweeps at a8aadca and 8ef0ff0, kernels/NOTES.md).
+            # so that two programs per SM run either (sweeps at a8aadca and 8ef0ff0,
+            # loadtest/JOURNAL.md#both-gemms-in-one-launch-a8aadca-to-fa66538).
             bn2 = min(bn2, 128)
             stages1 = 6 if bn1 == 32 else 4
             tile["ONE_LAUNCH"] = True

@@ -589,8 +589,9 @@ def _misses_markdown(misses) -> list[str]:
         return []
     out = ["", "## Targets not met: by how much", "",
            "needs x floor below 1 means the target lies below the floor, where no implementation can meet it. "
-           "Where the time of the others goes (per-kernel profiles of both ranks): kernels/NOTES.md, Expert "
-           "parallel, and git history: `loadtest/results/ep_profile_*.md` at bb4459a.", "",
+           "Where the time of the others goes (per-kernel profiles of both ranks): "
+           "loadtest/JOURNAL.md#where-the-time-goes-7f0d0a8-2026-11-30, "
+           "and git history: `loadtest/results/ep_profile_*.md` at bb4459a.", "",
            "| shape | tokens/rank | routing | target | needs ms | kittens ms | short by | floor ms (bound) | "
            "needs x floor | wait(C) share of the call | reading |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in misses:

@@ -4,7 +4,8 @@ Spawns one process per GPU with ``ep_bench.run_on_ranks`` (same shapes, inputs a
 kittens EP call eagerly under ``torch.profiler`` (CUDA activity) and prints, for each rank,
 each kernel's mean device time per call next to the call's time as a CUDA-graph replay (median
 of CUDA-event timings). The graph time minus the kernels' sum is what launches, flag round trips
-and waiting cost. This is the profile evidence behind the EP notes (``kernels/NOTES.md``).
+and waiting cost. This is the profile evidence behind the EP notes
+(``loadtest/JOURNAL.md#where-the-time-goes-7f0d0a8-2026-11-30``).
 
 ``python -m mok_serve.loadtest.ep_profile --shape Qwen3-30B-A3B --tokens 128 512``
 """

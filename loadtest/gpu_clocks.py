@@ -1,9 +1,10 @@
 """The GPU's SM clock, power draw and power-cap state while something is timed.
 
 An H200 runs compute-bound kernels at its 700 W limit, where the SM clock drops well below its top
-(kernels/NOTES.md measured 1100-1600 MHz against 1980), so a time means more beside the clock it
-ran at. ``ClockSampler`` reads NVML (the library behind ``nvidia-smi``, through ctypes: no Python
-package needed) every few milliseconds in a background thread; ``summary(t0, t1)`` gives the
+(loadtest/JOURNAL.md#why-the-compute-bound-end-stays-above-the-floor measured 1100-1600 MHz
+against 1980), so a time means more beside the clock it ran at. ``ClockSampler`` reads NVML (the
+library behind ``nvidia-smi``, through ctypes: no Python package needed) every few milliseconds in
+a background thread; ``summary(t0, t1)`` gives the
 median clock and power and the share of samples with the software power cap active between two
 ``time.monotonic()`` stamps. Without NVML (no driver, CPU machines) it samples nothing and every
 summary is ``None``.

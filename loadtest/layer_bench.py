@@ -1160,17 +1160,17 @@ def _misses_markdown(meta, rows) -> list[str]:
         f"({HBM_DATASHEET_TB_S} TB/s), the fastest any kittens row of this run read its bytes ({best:.2f} TB/s; "
         f"the torch-sum read rate above is {meta['read_tb_s']:.2f}) and the dense BF16 tensor peak at the SM clock "
         f"sampled during kittens' replays ({BF16_FLOP_PER_SM_CLOCK} FLOP per SM per clock, {meta.get('sms', '?')} "
-        "SMs). Profiles and the reasons behind each kind of miss: kernels/NOTES.md (Profiles; Why the "
-        "compute-bound end stays at 1.35-1.85x the floor; Decode)." + (
+        "SMs). Profiles and the reasons behind each kind of miss: loadtest/JOURNAL.md#profiles, "
+        "loadtest/JOURNAL.md#why-the-compute-bound-end-stays-above-the-floor and loadtest/JOURNAL.md#decode." + (
             f" Needs L2 TB/s: the bytes kittens' GEMM tiles load into shared memory (`operand_bytes` in "
             "kernels/triton_moe.py: each row tile loads its expert's weight columns whole and its own rows once "
             "per column tile) over the time the target asks for, against the rate at which TMA tiles stream from "
             f"L2 alone (every load a hit) into the SMs, measured in this run: {l2:.2f} TB/s; a pipeline that "
-            "mixes hits with tiles streamed from HBM gets less of both (`loadtest/l2_rates.py`; kernels/NOTES.md, "
-            "L2 and the HBM stream)." if l2 else "") + (
+            "mixes hits with tiles streamed from HBM gets less of both (`loadtest/l2_rates.py`; "
+            "loadtest/JOURNAL.md#l2-and-the-hbm-stream)." if l2 else "") + (
             " The L2 flush before each replay zeroes 256 MiB, so each replay starts with the L2 full of dirty "
             "lines whose write-back (up to ~50 MB) falls inside it: at 1 token that costs kittens ~8 us and the "
-            "baselines ~1 us (`--l2-flush read` empties the L2 by a read instead; kernels/NOTES.md, Decode)."
+            "baselines ~1 us (`--l2-flush read` empties the L2 by a read instead; loadtest/JOURNAL.md#decode)."
             if meta.get("l2_flush", "write") == "write" else ""),
         "",
         "| shape | tokens | routing | target | needs ms | kittens ms | short by | needs TB/s | kittens TB/s | "
