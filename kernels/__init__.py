@@ -48,13 +48,13 @@ def _define_op(name: str, arguments: str, impl) -> None:
 
 def _fused_moe_impl(hidden_states, w13, w2, topk_weights, topk_ids, expert_map, activation):
     if hidden_states.is_cuda:
-        from .triton_moe import fused_moe_triton
+        from .cuda.moe import fused_moe_triton
 
         return fused_moe_triton(
             hidden_states, w13, w2, topk_weights, topk_ids, expert_map=expert_map, activation=activation
         )
     if hidden_states.device.type == "cpu":
-        from .cpu_moe import fused_moe_cpu
+        from .cpu.moe import fused_moe_cpu
 
         return fused_moe_cpu(hidden_states, w13, w2, topk_weights, topk_ids, expert_map=expert_map, activation=activation)
     return fused_moe_reference(
@@ -97,7 +97,7 @@ def _fused_moe_fp8_impl(
     args = (hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids)
     kwargs = dict(expert_map=expert_map, activation=activation, block_shape=tuple(block_shape))
     if hidden_states.is_cuda:
-        from .triton_moe_fp8 import fused_moe_fp8_triton
+        from .cuda.moe_fp8 import fused_moe_fp8_triton
 
         return fused_moe_fp8_triton(*args, **kwargs)
     return fused_moe_fp8_reference(*args, **kwargs)
@@ -182,9 +182,9 @@ def warm_up_token_counts(num_local: int, hidden: int, inter: int, top_k: int, ma
     """The smallest token count of each Triton kernel variant that calls of 1 to ``max_tokens``
     tokens run, in increasing order (``warm_up`` calls each)."""
     if fp8:
-        from .triton_moe_fp8 import kernel_variants_fp8 as variants
+        from .cuda.moe_fp8 import kernel_variants_fp8 as variants
     else:
-        from .triton_moe import kernel_variants as variants
+        from .cuda.moe import kernel_variants as variants
     first: dict[tuple, int] = {}
     for tokens in range(1, max_tokens + 1):
         first.setdefault(variants(tokens, top_k, num_local, hidden, inter), tokens)

@@ -121,7 +121,7 @@ def backends(x, w13, w2, weights, ids):
     """{name: zero-argument call} for the three backends on one point, checked against each other."""
     from vllm import _custom_ops as ops
 
-    from mok_serve.kernels import cpu_moe
+    from mok_serve.kernels.cpu import moe as cpu_moe
 
     isa = stock_isa()
     p13, p2 = ops.cpu_prepack_moe_weight(w13, isa), ops.cpu_prepack_moe_weight(w2, isa)
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         model, flags = cpu_description()
         return server_main(args, shapes, commit(), model, flags)
 
-    from mok_serve.kernels import cpu_moe
+    from mok_serve.kernels.cpu import moe as cpu_moe
 
     if not cpu_moe.available():
         raise SystemExit("the kittens CPU kernel cannot be built here")

@@ -278,8 +278,8 @@ def run_on_ranks(work, world, args):
 def run_rank(rank, world, args):
     import torch.distributed as dist
 
-    from mok_serve.kernels import triton_moe
-    from mok_serve.kernels.ep_cuda import ExpertPlacement, SymmetricMemoryEPWorkspace
+    from mok_serve.kernels.cuda import moe as triton_moe
+    from mok_serve.kernels.cuda.ep import ExpertPlacement, SymmetricMemoryEPWorkspace
 
     group = dist.group.WORLD
     shapes = load_shapes()

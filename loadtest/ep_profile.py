@@ -26,7 +26,7 @@ def profile_rank(rank, world, args):
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    from mok_serve.kernels.ep_cuda import ExpertPlacement, SymmetricMemoryEPWorkspace
+    from mok_serve.kernels.cuda.ep import ExpertPlacement, SymmetricMemoryEPWorkspace
 
     s = load_shapes()[args.shape]
     E, H, I, K = s["routed_experts"], s["hidden"], s["moe_intermediate"], s["top_k"]

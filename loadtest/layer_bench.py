@@ -503,7 +503,7 @@ def passes(err, tol) -> bool:
 def bench_rows(shapes, tokens_list, routings, seed, log, clocks, on_row=None, vllm_fm=None):
     """The benchmark's bf16 rows; ``vllm_fm`` (``load_vllm_moe``) adds vLLM's ``fused_experts``."""
     from mok_serve.kernels import fused_moe, fused_moe_reference
-    from mok_serve.kernels.triton_moe import ONE_LAUNCH_DECODE, operand_bytes, pick_configs
+    from mok_serve.kernels.cuda.moe import ONE_LAUNCH_DECODE, operand_bytes, pick_configs
 
     rows = []
     for name, s in shapes.items():
@@ -667,8 +667,8 @@ SWEEP_POINTS = [
 def sweep_variants(tokens, top_k, E, H, I):
     """Named (GEMM1, GEMM2) config pairs around the default: gate/up fused into one dot, TMA weights.
     The sweep also times the default with the kernels launched the ordinary way ("no PDL")."""
-    from mok_serve.kernels import triton_moe
-    from mok_serve.kernels.triton_moe import pick_configs
+    from mok_serve.kernels.cuda import moe as triton_moe
+    from mok_serve.kernels.cuda.moe import pick_configs
 
     d1, d2 = pick_configs(tokens, top_k, E, H, I, one_launch=triton_moe.ONE_LAUNCH_DECODE)
 
@@ -741,7 +741,7 @@ def sweep_variants(tokens, top_k, E, H, I):
 
 def sweep_variants_fp8(tokens, top_k, E, H, I):
     """Named (GEMM1, GEMM2) config pairs of the FP8 kernels around ``pick_configs_fp8``'s."""
-    from mok_serve.kernels.triton_moe_fp8 import pick_configs_fp8
+    from mok_serve.kernels.cuda.moe_fp8 import pick_configs_fp8
 
     d1, d2 = pick_configs_fp8(tokens, top_k, E, H, I)
 
@@ -777,10 +777,11 @@ def sweep(shapes, points, seed, log, clocks, labels=None, repeats=1, fp8=False):
     """Time the ``sweep_variants`` (``sweep_variants_fp8`` with ``fp8``; those named in ``labels``,
     default all) at each (shape, tokens, routing) point, the variants interleaved ``repeats`` times
     so that slow drift hits all of them alike."""
-    from mok_serve.kernels import fused_moe_fp8_reference, triton_moe
+    from mok_serve.kernels import fused_moe_fp8_reference
+    from mok_serve.kernels.cuda import moe as triton_moe
     from mok_serve.kernels.reference import fused_moe_reference
-    from mok_serve.kernels.triton_moe import fused_moe_triton
-    from mok_serve.kernels.triton_moe_fp8 import fused_moe_fp8_triton
+    from mok_serve.kernels.cuda.moe import fused_moe_triton
+    from mok_serve.kernels.cuda.moe_fp8 import fused_moe_fp8_triton
 
     results = []
     by_shape: dict[str, list[tuple[int, str]]] = {}
@@ -848,8 +849,8 @@ def profile(shapes, points, seed, log, calls=10):
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from mok_serve.kernels import triton_moe
-    from mok_serve.kernels.triton_moe import fused_moe_triton
+    from mok_serve.kernels.cuda import moe as triton_moe
+    from mok_serve.kernels.cuda.moe import fused_moe_triton
 
     results = []
     for name, tokens, routing in points:
@@ -952,8 +953,8 @@ def timeline(shapes, points, seed, log, calls=5, start="cold"):
     _timeline=...)``), summarized by ``timeline_summary`` per call (each call begun as ``start``
     says, see ``TIMELINE_STARTS``; the median over ``calls`` calls, and each call's). Returns one
     dict per point, with the records of its fastest and its slowest call."""
-    from mok_serve.kernels import triton_moe as tm
-    from mok_serve.kernels.triton_moe import fused_moe_triton
+    from mok_serve.kernels.cuda import moe as tm
+    from mok_serve.kernels.cuda.moe import fused_moe_triton
 
     results = []
     for name, tokens, routing in points:

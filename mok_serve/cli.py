@@ -167,7 +167,7 @@ def _build_cpu_kernel(args) -> None:
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu() and args.moe_backend == "kittens":
-        from mok_serve.kernels import cpu_moe
+        from mok_serve.kernels.cpu import moe as cpu_moe
 
         # Loading the cached kernel takes a fraction of a second; only a build is worth a line
         # (printed: vLLM has not configured its log handlers yet in this process).

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from mok_serve.kernels import cpu_moe
+from mok_serve.kernels.cpu import moe as cpu_moe
 from mok_serve.vllm import timing
 
 EXPERTS, HIDDEN, TOP_K, TOKENS = 8, 256, 2, 8

@@ -56,7 +56,7 @@ def simulated_ranks(world, num_experts, *, max_tokens, hidden, top_k, device="cp
                     **workspace_kwargs):
     """``world`` workspaces over segments of one device, linear expert placement:
     ``(ranks, placement, segments)``."""
-    from mok_serve.kernels import ep_cuda  # at call time: the interpreter tests reload the module
+    from mok_serve.kernels.cuda import ep as ep_cuda  # at call time: the interpreter tests reload the module
 
     placement = ep_cuda.ExpertPlacement.linear(num_experts, world)
     sources = 1 if replicated else world

@@ -12,7 +12,7 @@ import pytest
 from serving_utils import greedy
 
 from mok_serve import tiny_models
-from mok_serve.kernels import cpu_moe
+from mok_serve.kernels.cpu import moe as cpu_moe
 from mok_serve.server_process import ServerProcess
 
 pytestmark = pytest.mark.server

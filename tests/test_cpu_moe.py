@@ -9,7 +9,8 @@ import pytest
 import torch
 from moe_test_utils import make_layer
 
-from mok_serve.kernels import cpu_moe, fused_moe, reference
+from mok_serve.kernels import fused_moe, reference
+from mok_serve.kernels.cpu import moe as cpu_moe
 
 pytestmark = pytest.mark.skipif(not cpu_moe.available(), reason="the C++ CPU kernel cannot be built here")
 
@@ -112,7 +113,8 @@ def run_fresh(code: str) -> None:
     """Runs ``code`` in a new Python process, where the extension is not loaded yet."""
     prelude = """
         import torch
-        from mok_serve.kernels import cpu_moe, fused_moe, reference
+        from mok_serve.kernels import fused_moe, reference
+        from mok_serve.kernels.cpu import moe as cpu_moe
         x, w13, w2 = torch.randn(5, 64).bfloat16(), torch.randn(4, 64, 64).bfloat16(), torch.randn(4, 64, 32).bfloat16()
         weights, ids = torch.rand(5, 2), torch.randint(0, 4, (5, 2))
         def has_cpu_kernel():

@@ -12,7 +12,8 @@ import pytest
 import torch
 from moe_test_utils import make_layer
 
-from mok_serve.kernels import cpu_moe, fused_moe
+from mok_serve.kernels import fused_moe
+from mok_serve.kernels.cpu import moe as cpu_moe
 
 pytestmark = pytest.mark.skipif(not cpu_moe.available(), reason="the C++ CPU kernel cannot be built here")
 
@@ -33,7 +34,7 @@ def run_fresh(code: str, isa_env: str | None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != cpu_moe.ISA_ENV}
     if isa_env is not None:
         env[cpu_moe.ISA_ENV] = isa_env
-    prelude = "import torch\nfrom mok_serve.kernels import cpu_moe, fused_moe\n"
+    prelude = "import torch\nfrom mok_serve.kernels import fused_moe\nfrom mok_serve.kernels.cpu import moe as cpu_moe\n"
     return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], env=env, capture_output=True,
                           text=True, timeout=600)
 

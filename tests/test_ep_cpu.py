@@ -13,7 +13,7 @@ import torch.distributed as dist
 from rank_runner import run_ranks, spawn_ranks
 
 from mok_serve.kernels import fused_moe
-from mok_serve.kernels.ep_cpu import ExpertPlacement, PeerTimeoutError, SharedMemoryEPWorkspace
+from mok_serve.kernels.cpu.ep import ExpertPlacement, PeerTimeoutError, SharedMemoryEPWorkspace
 
 HIDDEN, INTER, TOP_K = 64, 32, 4
 MAX_TOKENS = 96

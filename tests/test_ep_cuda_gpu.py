@@ -72,7 +72,7 @@ def quant_inputs(quant, seed, counts, num_experts, hidden, inter, top_k, routing
 
 
 def workspace(quant, placement, max_tokens, hidden, top_k, timeout_s=30.0):
-    from mok_serve.kernels.ep_cuda import SymmetricMemoryEPWorkspace
+    from mok_serve.kernels.cuda.ep import SymmetricMemoryEPWorkspace
 
     kw = {} if quant == "bf16" else {"quant": quant}
     return SymmetricMemoryEPWorkspace(
@@ -82,7 +82,7 @@ def workspace(quant, placement, max_tokens, hidden, top_k, timeout_s=30.0):
 
 
 def scenario_bitwise(rank, world, quant="bf16"):
-    from mok_serve.kernels.ep_cuda import ExpertPlacement
+    from mok_serve.kernels.cuda.ep import ExpertPlacement
 
     q = QUANTS[quant]
     one_gpu, reference, tol, op = quant_ops(quant)
@@ -133,7 +133,7 @@ def scenario_bitwise(rank, world, quant="bf16"):
 
 
 def scenario_graph(rank, world, quant="bf16"):
-    from mok_serve.kernels.ep_cuda import ExpertPlacement
+    from mok_serve.kernels.cuda.ep import ExpertPlacement
 
     one_gpu, _, _, op = quant_ops(quant)
     tag = QUANTS[quant]["tag"]
@@ -166,7 +166,7 @@ def scenario_graph(rank, world, quant="bf16"):
 def scenario_silent_peer(rank, world):
     import torch.distributed as dist
 
-    from mok_serve.kernels.ep_cuda import ExpertPlacement, PeerTimeoutError, SymmetricMemoryEPWorkspace
+    from mok_serve.kernels.cuda.ep import ExpertPlacement, PeerTimeoutError, SymmetricMemoryEPWorkspace
 
     H, I, E, K = 256, 128, 8, 4
     placement = ExpertPlacement.linear(E, world)

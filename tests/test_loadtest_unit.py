@@ -244,7 +244,7 @@ def test_layer_points_take_an_optional_routing():
 
 
 def test_decode_sweep_times_the_one_launch_default_against_two_launches():
-    from mok_serve.kernels.triton_moe import one_launch_decode
+    from mok_serve.kernels.cuda.moe import one_launch_decode
     from mok_serve.loadtest.layer_bench import sweep_variants
 
     for tokens in (1, 8, 128):  # DeepSeek-V3's decode regime
@@ -462,7 +462,7 @@ def test_ep_bench_serving_limit_table():
 def test_decode_timeline_summary_finds_the_steady_rate_the_tail_and_the_waits():
     import torch
 
-    from mok_serve.kernels.triton_moe import TIMELINE_WORDS
+    from mok_serve.kernels.cuda.moe import TIMELINE_WORDS
     from mok_serve.loadtest.layer_bench import timeline_summary
 
     us = 1000  # records are in ns

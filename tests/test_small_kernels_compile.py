@@ -18,7 +18,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from mok_serve.kernels import triton_moe as tm
+from mok_serve.kernels.cuda import moe as tm
 from mok_serve.vllm import timing, timing_triton
 
 def build(fn, types, ints, consts):

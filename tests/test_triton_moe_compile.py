@@ -23,7 +23,7 @@ import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
-from mok_serve.kernels import triton_moe as tm
+from mok_serve.kernels.cuda import moe as tm
 
 ptr = lambda t: "*" + t
 results = {}

@@ -25,7 +25,7 @@ import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
-from mok_serve.kernels import triton_moe_fp8 as tf
+from mok_serve.kernels.cuda import moe_fp8 as tf
 
 H, I, E, K = 7168, 2048, 256, 8
 ptr = lambda t: "*" + t

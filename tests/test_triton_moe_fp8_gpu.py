@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 
 from mok_serve.kernels import fused_moe_fp8, fused_moe_fp8_reference, warm_up, warm_up_token_counts  # noqa: E402
 from mok_serve.kernels.fp8 import quantize_fp8_blocks  # noqa: E402
-from mok_serve.kernels.triton_moe_fp8 import fused_moe_fp8_triton, pick_configs_fp8  # noqa: E402
+from mok_serve.kernels.cuda.moe_fp8 import fused_moe_fp8_triton, pick_configs_fp8  # noqa: E402
 from moe_test_utils import (  # noqa: E402
     DEV, FAMILIES, SHAPES, cached_weights, check_bad_ids_masked_and_reported, check_batch_invariant, check_graph_replay,
     check_warm_up_leaves_nothing_to_compile,

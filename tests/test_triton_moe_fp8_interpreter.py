@@ -17,8 +17,8 @@ os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
 from mok_serve.kernels import fused_moe_fp8_reference  # noqa: E402
-from mok_serve.kernels import triton_moe as tm  # noqa: E402
-from mok_serve.kernels import triton_moe_fp8 as tf  # noqa: E402
+from mok_serve.kernels.cuda import moe as tm  # noqa: E402
+from mok_serve.kernels.cuda import moe_fp8 as tf  # noqa: E402
 from mok_serve.kernels.fp8 import dequantize_fp8_groups, quantize_fp8_groups  # noqa: E402
 from moe_test_utils import make_fp8_inputs, rel_err  # noqa: E402
 

@@ -16,8 +16,9 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("triton")
 
-from mok_serve.kernels import fused_moe, triton_moe, warm_up, warm_up_token_counts  # noqa: E402
-from mok_serve.kernels.triton_moe import fused_moe_triton, pick_configs  # noqa: E402
+from mok_serve.kernels import fused_moe, warm_up, warm_up_token_counts  # noqa: E402
+from mok_serve.kernels.cuda import moe as triton_moe  # noqa: E402
+from mok_serve.kernels.cuda.moe import fused_moe_triton, pick_configs  # noqa: E402
 from moe_test_utils import (  # noqa: E402
     DEV, FAMILIES, SHAPES, cached_weights, check_bad_ids_masked_and_reported, check_batch_invariant, check_decode_one_launch_bits,
     check_warm_up_leaves_nothing_to_compile,

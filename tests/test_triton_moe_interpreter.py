@@ -16,7 +16,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
 from mok_serve.kernels import fused_moe_reference  # noqa: E402
-from mok_serve.kernels import triton_moe as tm  # noqa: E402
+from mok_serve.kernels.cuda import moe as tm  # noqa: E402
 from moe_test_utils import check_decode_one_launch_bits, check_decode_wait_gives_up, make_inputs, rel_err  # noqa: E402
 
 if not hasattr(tm._moe_gemm1_kernel, "fn") or type(tm._moe_gemm1_kernel).__name__ != "InterpretedFunction":

@@ -78,7 +78,7 @@ def scenario_glue(rank, world, quant, replicated):
     from ep_sim import local_experts
 
     from mok_serve import kernels
-    from mok_serve.kernels.ep_cuda import ExpertPlacement
+    from mok_serve.kernels.cuda.ep import ExpertPlacement
     from mok_serve.vllm import expert_parallel as glue
     from mok_serve.vllm import timing
 

@@ -18,7 +18,7 @@ from vllm.forward_context import get_forward_context, is_forward_context_availab
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 
-from mok_serve.kernels.ep_cpu import ExpertPlacement, SharedMemoryEPWorkspace
+from mok_serve.kernels.cpu.ep import ExpertPlacement, SharedMemoryEPWorkspace
 from mok_serve.vllm import KITTENS, timing
 
 logger = init_logger("vllm.mok_serve")
@@ -74,7 +74,7 @@ def _workspace(hidden_states, topk_ids, expert_map, quant: str | None = None):
         torch.distributed.all_gather(maps, expert_map.cpu().contiguous(), group=group.cpu_group)
         extra = {}
         if hidden_states.is_cuda:
-            from mok_serve.kernels.ep_cuda import SymmetricMemoryEPWorkspace as workspace_cls
+            from mok_serve.kernels.cuda.ep import SymmetricMemoryEPWorkspace as workspace_cls
 
             process_group, transport = group.device_group, "symmetric memory"
             extra["quant"] = quant

@@ -23,7 +23,8 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import QuantKey
 from vllm.model_executor.utils import replace_parameter
 from vllm.platforms import current_platform
 
-from mok_serve.kernels import cpu_moe, fused_moe, warm_up
+from mok_serve.kernels import fused_moe, warm_up
+from mok_serve.kernels.cpu import moe as cpu_moe
 from mok_serve.vllm import KITTENS, expert_parallel
 from mok_serve.vllm import timing
 

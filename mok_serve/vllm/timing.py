@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mok_serve.kernels import cpu_moe
+from mok_serve.kernels.cpu import moe as cpu_moe
 
 logger = logging.getLogger("vllm.mok_serve")
 
@@ -222,7 +222,7 @@ class LayerTimer:
 class CpuLayerTimer(LayerTimer):
     """Host clock (``steady_clock``), stamped by the C++ op ``mok_serve_cpu::moe_timer``
     (``kernels/cpu_timer.cpp``), which also counts the top-k ids at BEGIN. Registered with the op
-    under the layer's slot; needs kittens' CPU extension (``kernels.cpu_moe.available()``)."""
+    under the layer's slot; needs kittens' CPU extension (``kernels.cpu.moe.available()``)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -61,8 +61,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import bad_ids
-from .reference import check_fused_moe_args
+from .. import bad_ids
+from ..reference import check_fused_moe_args
 
 __all__ = [
     "combine_block", "fused_moe_triton", "kernel_variants", "launch_combine", "launch_gemm1", "launch_gemm2",

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from . import reference
+from .. import reference
 
 logger = logging.getLogger(__name__)
 

@@ -81,11 +81,11 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from . import bad_ids
-from .ep_cpu import ExpertPlacement, PeerTimeoutError, call_bound
-from .fp8 import BLOCK_SHAPE, FP8_DTYPE, check_fused_moe_fp8_args
-from .reference import check_fused_moe_args
-from .triton_moe import (
+from .. import bad_ids
+from ..ep_types import ExpertPlacement, PeerTimeoutError, call_bound
+from ..fp8 import BLOCK_SHAPE, FP8_DTYPE, check_fused_moe_fp8_args
+from ..reference import check_fused_moe_args
+from .moe import (
     _cast,
     _expert_tile,
     _gemm1_tile,
@@ -101,7 +101,7 @@ from .triton_moe import (
     pdl_launch,
     pick_configs,
 )
-from .triton_moe_fp8 import (
+from .moe_fp8 import (
     GROUP,
     QROWS,
     _fp8_gemm2_tile,

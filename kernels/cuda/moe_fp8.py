@@ -35,9 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import bad_ids
-from .fp8 import AMAX_FLOOR, BLOCK_SHAPE, FP8_DTYPE, FP8_MAX, check_fused_moe_fp8_args
-from .triton_moe import (
+from .. import bad_ids
+from ..fp8 import AMAX_FLOOR, BLOCK_SHAPE, FP8_DTYPE, FP8_MAX, check_fused_moe_fp8_args
+from .moe import (
     _acc_zeros,
     _cast,
     _e_pad,
