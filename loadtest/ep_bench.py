@@ -278,7 +278,6 @@ def run_on_ranks(work, world, args):
 def run_rank(rank, world, args):
     import torch.distributed as dist
 
-    from mok_serve.kernels.cuda import moe as triton_moe
     from mok_serve.kernels.cuda.ep import ExpertPlacement, SymmetricMemoryEPWorkspace
 
     group = dist.group.WORLD
@@ -352,13 +351,10 @@ def run_rank(rank, world, args):
                         )
 
                     def kittens(variant):
-                        w, w.return_mode, w.pull_in_gemm1, bound, triton_moe.PDL = variant
-                        try:
-                            if fp8:
-                                return w.fused_moe_fp8(x, *experts, tw, ids, max_tokens_across_ranks=bound)
-                            return w.fused_moe(x, w13, w2, tw, ids, max_tokens_across_ranks=bound)
-                        finally:
-                            triton_moe.PDL = True
+                        w, w.return_mode, w.pull_in_gemm1, bound, pdl = variant
+                        if fp8:
+                            return w.fused_moe_fp8(x, *experts, tw, ids, max_tokens_across_ranks=bound, pdl=pdl)
+                        return w.fused_moe(x, w13, w2, tw, ids, max_tokens_across_ranks=bound, pdl=pdl)
 
                     def a2a():
                         refresh()

@@ -503,7 +503,8 @@ def passes(err, tol) -> bool:
 def bench_rows(shapes, tokens_list, routings, seed, log, clocks, on_row=None, vllm_fm=None):
     """The benchmark's bf16 rows; ``vllm_fm`` (``load_vllm_moe``) adds vLLM's ``fused_experts``."""
     from mok_serve.kernels import fused_moe, fused_moe_reference
-    from mok_serve.kernels.cuda.moe import ONE_LAUNCH_DECODE, operand_bytes, pick_configs
+    from mok_serve.kernels.cuda.moe import operand_bytes, pick_configs
+    from mok_serve.kernels.env import knob
 
     rows = []
     for name, s in shapes.items():
@@ -519,7 +520,7 @@ def bench_rows(shapes, tokens_list, routings, seed, log, clocks, on_row=None, vl
                 fl = floor_of(tokens, H, I, K, ids)
                 fl["operand_bytes"] = sum(operand_bytes(
                     torch.bincount(ids.flatten(), minlength=E).tolist(), H, I,
-                    pick_configs(tokens, K, E, H, I, one_launch=ONE_LAUNCH_DECODE)).values())
+                    pick_configs(tokens, K, E, H, I, one_launch=knob("one_launch"))).values())
                 impls = {
                     "kittens": lambda: fused_moe(x, w13, w2, tw, ids),
                     "torch": lambda: torch_pipeline(x, w13, w2, tw, ids),
@@ -667,10 +668,10 @@ SWEEP_POINTS = [
 def sweep_variants(tokens, top_k, E, H, I):
     """Named (GEMM1, GEMM2) config pairs around the default: gate/up fused into one dot, TMA weights.
     The sweep also times the default with the kernels launched the ordinary way ("no PDL")."""
-    from mok_serve.kernels.cuda import moe as triton_moe
     from mok_serve.kernels.cuda.moe import pick_configs
+    from mok_serve.kernels.env import knob
 
-    d1, d2 = pick_configs(tokens, top_k, E, H, I, one_launch=triton_moe.ONE_LAUNCH_DECODE)
+    d1, d2 = pick_configs(tokens, top_k, E, H, I, one_launch=knob("one_launch"))
 
     def v(d, **kw):
         return {**d, **kw}
@@ -778,7 +779,6 @@ def sweep(shapes, points, seed, log, clocks, labels=None, repeats=1, fp8=False):
     default all) at each (shape, tokens, routing) point, the variants interleaved ``repeats`` times
     so that slow drift hits all of them alike."""
     from mok_serve.kernels import fused_moe_fp8_reference
-    from mok_serve.kernels.cuda import moe as triton_moe
     from mok_serve.kernels.reference import fused_moe_reference
     from mok_serve.kernels.cuda.moe import fused_moe_triton
     from mok_serve.kernels.cuda.moe_fp8 import fused_moe_fp8_triton
@@ -809,9 +809,8 @@ def sweep(shapes, points, seed, log, clocks, labels=None, repeats=1, fp8=False):
             variants.append(("no PDL", *variants[0][1:3], False))
             variants = [v for v in variants if labels is None or v[0] in labels]
             for rep, (label, g1, g2, pdl) in ((r, v) for r in range(repeats) for v in variants):
-                triton_moe.PDL = pdl  # read at launch, so it is what the graph captures
                 try:
-                    fn = lambda: op(x, *weights, tw, ids, _configs=(g1, g2))  # noqa: E731
+                    fn = lambda: op(x, *weights, tw, ids, pdl=pdl, _configs=(g1, g2))  # noqa: E731
                     got = fn()
                     err = rel_err(got, ref)
                     bitwise = bool(torch.equal(got, default_out))
@@ -819,8 +818,6 @@ def sweep(shapes, points, seed, log, clocks, labels=None, repeats=1, fp8=False):
                 except Exception as exc:  # noqa: BLE001
                     log(f"  {name} T={tokens} {routing} {label}: failed {type(exc).__name__}: {str(exc)[:200]}")
                     continue
-                finally:
-                    triton_moe.PDL = True
                 if how != "graph":
                     log(f"  {name} T={tokens} {routing} {label}: timed eagerly")
                 results.append(dict(shape=name, tokens=tokens, routing=routing, label=label, g1=g1, g2=g2, ms=ms,
@@ -849,7 +846,6 @@ def profile(shapes, points, seed, log, calls=10):
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from mok_serve.kernels.cuda import moe as triton_moe
     from mok_serve.kernels.cuda.moe import fused_moe_triton
 
     results = []
@@ -863,16 +859,13 @@ def profile(shapes, points, seed, log, calls=10):
         fn = lambda: fused_moe_triton(x, w13, w2, tw, ids)  # noqa: E731
         graph_ms, _, _ = graph_time(fn, rep_ms=40)
         flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
-        triton_moe.PDL = False
-        try:
-            fn()
-            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(calls):
-                    flush.zero_()
-                    fn()
-                torch.cuda.synchronize()
-        finally:
-            triton_moe.PDL = True
+        fn_no_pdl = lambda: fused_moe_triton(x, w13, w2, tw, ids, pdl=False)  # noqa: E731
+        fn_no_pdl()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                flush.zero_()
+                fn_no_pdl()
+            torch.cuda.synchronize()
         kernels = {}
         for ev in prof.key_averages():
             if ev.key.startswith("_moe_"):
@@ -1164,7 +1157,7 @@ def _misses_markdown(meta, rows) -> list[str]:
         "SMs). Profiles and the reasons behind each kind of miss: loadtest/JOURNAL.md#profiles, "
         "loadtest/JOURNAL.md#why-the-compute-bound-end-stays-above-the-floor and loadtest/JOURNAL.md#decode." + (
             f" Needs L2 TB/s: the bytes kittens' GEMM tiles load into shared memory (`operand_bytes` in "
-            "kernels/triton_moe.py: each row tile loads its expert's weight columns whole and its own rows once "
+            "kernels/cuda/moe.py: each row tile loads its expert's weight columns whole and its own rows once "
             "per column tile) over the time the target asks for, against the rate at which TMA tiles stream from "
             f"L2 alone (every load a hit) into the SMs, measured in this run: {l2:.2f} TB/s; a pipeline that "
             "mixes hits with tiles streamed from HBM gets less of both (`loadtest/l2_rates.py`; "

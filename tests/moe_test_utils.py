@@ -266,18 +266,12 @@ def check_bad_ids_masked_and_reported(op, experts, reference, tol):
 
 def check_decode_one_launch_bits(tm, x, w13, w2, tw, ids, expert_map=None):
     """At decode sizes both GEMMs run as one launch and give the bits of the two launches;
-    ``tm`` is the triton_moe module (the interpreter tests reload it). Returns the output."""
+    ``tm`` is the kernels.cuda.moe module (the interpreter tests reload it). Returns the output."""
     tokens, hidden = x.shape
     num_local, two_i, _ = w13.shape
     assert tm.one_launch_decode(*tm.pick_configs(tokens, ids.shape[1], num_local, hidden, two_i // 2, one_launch=True))
-    saved = tm.ONE_LAUNCH_DECODE
-    try:
-        tm.ONE_LAUNCH_DECODE = True
-        one = tm.fused_moe_triton(x, w13, w2, tw, ids, expert_map=expert_map)
-        tm.ONE_LAUNCH_DECODE = False
-        two = tm.fused_moe_triton(x, w13, w2, tw, ids, expert_map=expert_map)
-    finally:
-        tm.ONE_LAUNCH_DECODE = saved
+    one = tm.fused_moe_triton(x, w13, w2, tw, ids, expert_map=expert_map, one_launch=True)
+    two = tm.fused_moe_triton(x, w13, w2, tw, ids, expert_map=expert_map, one_launch=False)
     assert torch.equal(one, two)
     return one
 

@@ -27,7 +27,6 @@ sized by the posted counts anyway) is posted too and must be the same on every r
 Flags are aligned int64 stores and loads, ordered after the data they publish on x86-64 (TSO).
 """
 
-import os
 import time
 import uuid
 from multiprocessing import resource_tracker, shared_memory
@@ -37,6 +36,7 @@ import torch.distributed as dist
 
 from .moe import combine_topk, expert_rows
 from ..fp8 import BLOCK_SHAPE, check_fused_moe_fp8_args, fp8_expert_rows
+from ..env import knob
 from ..ep_types import ExpertPlacement, PeerTimeoutError, call_bound
 from ..reference import check_fused_moe_args
 
@@ -99,7 +99,7 @@ class SharedMemoryEPWorkspace:
         dtype: torch.dtype,
         placement: ExpertPlacement,
         replicated_tokens: bool = False,
-        timeout_s: float = float(os.environ.get("MOK_EP_TIMEOUT_S", "120")),
+        timeout_s: float | None = None,
     ):
         self.group = group
         self.rank = dist.get_rank(group)
@@ -110,7 +110,7 @@ class SharedMemoryEPWorkspace:
         self.dtype = dtype
         self.placement = placement
         self.replicated = replicated_tokens
-        self.timeout_s = timeout_s
+        self.timeout_s = knob("ep_timeout_s", timeout_s)  # default MOK_EP_TIMEOUT_S, read now (env.py)
         self.epoch = 0
         sources = 1 if replicated_tokens else self.world_size
         shape = (max_tokens_per_rank, hidden_size, top_k, sources * max_tokens_per_rank * top_k, dtype)

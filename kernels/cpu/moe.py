@@ -27,7 +27,6 @@ import contextlib
 import fcntl
 import hashlib
 import logging
-import os
 import platform
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ from pathlib import Path
 import torch
 
 from .. import reference
+from ..env import KNOBS, knob
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ _CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 _built: bool | None = None
 # The variable that forces the kernel's ISA (read once, by available()).
-ISA_ENV = "MOK_SERVE_CPU_ISA"
+ISA_ENV = KNOBS["cpu_isa"][0]  # MOK_SERVE_CPU_ISA
 _isa_error: str | None = None
 # Redispatching with this key set calls the extension's CPU kernel of an op whatever its inputs' devices.
 _CPU_KERNEL = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
@@ -115,7 +115,7 @@ def available() -> bool:
             # Outside the try: an unknown ISA, or one this CPU lacks, is the caller's error (raised
             # by every call), not a reason to fall back to the reference.
             try:
-                chosen = torch.ops.mok_serve_cpu.set_isa(os.environ.get(ISA_ENV, "auto") or "auto")
+                chosen = torch.ops.mok_serve_cpu.set_isa(knob("cpu_isa"))
                 logger.info("kittens: CPU kernel loaded, ISA %s", chosen)
             except ValueError as exc:
                 global _isa_error

@@ -74,7 +74,6 @@ not overlap.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.distributed as dist
@@ -82,6 +81,7 @@ import triton
 import triton.language as tl
 
 from .. import bad_ids
+from ..env import knob
 from ..ep_types import ExpertPlacement, PeerTimeoutError, call_bound
 from ..fp8 import BLOCK_SHAPE, FP8_DTYPE, check_fused_moe_fp8_args
 from ..reference import check_fused_moe_args
@@ -554,14 +554,19 @@ class SymmetricMemoryEPWorkspace:
         dtype: torch.dtype,
         placement: ExpertPlacement,
         replicated_tokens: bool = False,
-        timeout_s: float = float(os.environ.get("MOK_EP_TIMEOUT_S", "120")),
-        return_mode: str = os.environ.get("MOK_EP_RETURN", "pull"),
-        pull_in_gemm1: bool = os.environ.get("MOK_EP_PULL_IN_GEMM1", "0") not in ("", "0"),
-        sync_check: bool = os.environ.get("MOK_EP_SYNC_CHECK", "0") not in ("", "0"),
+        timeout_s: float | None = None,
+        return_mode: str | None = None,
+        pull_in_gemm1: bool | None = None,
+        sync_check: bool | None = None,
         quant: str | None = None,
         _simulated: tuple[int, list[torch.Tensor]] | None = None,
         _max_spins: int | None = None,
     ):
+        # Knobs left at None are read from the environment now (env.py).
+        timeout_s = knob("ep_timeout_s", timeout_s)
+        return_mode = knob("ep_return_mode", return_mode)
+        pull_in_gemm1 = knob("ep_pull_in_gemm1", pull_in_gemm1)
+        sync_check = knob("ep_sync_check", sync_check)
         if return_mode not in ("pull", "push"):
             raise ValueError(f"return_mode must be 'pull' or 'push', got {return_mode!r}")
         if quant not in (None, "fp8"):
@@ -731,6 +736,7 @@ class SymmetricMemoryEPWorkspace:
         layer: str = "?",
         on_phase=None,
         max_tokens_across_ranks: int | None = None,
+        pdl: bool | None = None,
     ) -> torch.Tensor:
         """This rank's tokens through the experts of every rank: ``[T, H]``, as ``fused_moe``.
         ``on_phase(name)``, if given, is called (on the host, between launches) as the
@@ -741,9 +747,10 @@ class SymmetricMemoryEPWorkspace:
         it instead of by ``max_tokens_per_rank``, which is what keeps decode calls on a workspace
         made for long prefills cheap. Default ``max_tokens_per_rank``; with replicated tokens every
         rank holds this call's tokens, which is then the bound. Ranks that pass different values
-        get an error from ``check_errors`` (or the next call)."""
+        get an error from ``check_errors`` (or the next call). ``pdl``: programmatic dependent
+        launch, as ``fused_moe_triton``'s (default ``MOK_PDL``, read now)."""
         stages = self.stages(hidden_states, w13, w2, topk_weights, topk_ids, layer=layer,
-                             max_tokens_across_ranks=max_tokens_across_ranks)
+                             max_tokens_across_ranks=max_tokens_across_ranks, pdl=pdl)
         return _run_stages(stages, on_phase)
 
     def fused_moe_fp8(
@@ -760,16 +767,17 @@ class SymmetricMemoryEPWorkspace:
         block_shape=BLOCK_SHAPE,
         on_phase=None,
         max_tokens_across_ranks: int | None = None,
+        pdl: bool | None = None,
     ) -> torch.Tensor:
         """As ``fused_moe`` with block-scaled FP8 experts (``quant="fp8"`` workspaces): bitwise the
         output of one-GPU ``fused_moe_fp8`` on the global inputs."""
         stages = self.stages(hidden_states, w13, w2, topk_weights, topk_ids, layer=layer,
                              scales=(w13_scale, w2_scale), block_shape=block_shape,
-                             max_tokens_across_ranks=max_tokens_across_ranks)
+                             max_tokens_across_ranks=max_tokens_across_ranks, pdl=pdl)
         return _run_stages(stages, on_phase)
 
     def stages(self, hidden_states, w13, w2, topk_weights, topk_ids, *, layer: str = "?", scales=None,
-               block_shape=BLOCK_SHAPE, max_tokens_across_ranks: int | None = None):
+               block_shape=BLOCK_SHAPE, max_tokens_across_ranks: int | None = None, pdl: bool | None = None):
         """The call as a list of launch steps (``fused_moe`` runs them in order; the interpreter
         tests run step i on every simulated rank before step i + 1). The last returns the output.
         ``scales``: ``(w13_scale, w2_scale)`` of FP8 experts (``fused_moe_fp8``)."""
@@ -821,7 +829,8 @@ class SymmetricMemoryEPWorkspace:
         timeout_ns = int(self.timeout_s * 1e9)
         k_pad = max(2, triton.next_power_of_2(K))
         out = torch.empty((tokens, H), dtype=self.dtype, device=dev)
-        pdl = pdl_launch(out)
+        pdl_on = knob("pdl", pdl)
+        pdl = pdl_launch(out, pdl_on)
         push = self.return_mode == "push"
         gemm1_pulls = self.pull_in_gemm1 and not fp8
 
@@ -861,7 +870,8 @@ class SymmetricMemoryEPWorkspace:
         def schedule():
             if num_local == 0:
                 return
-            launch_schedule(self.all_ids[: S * T], expert_map, self.counts, self.sorted_rows, num_local, self.num_global)
+            launch_schedule(self.all_ids[: S * T], expert_map, self.counts, self.sorted_rows, num_local, self.num_global,
+                            pdl=pdl_on)
 
         picker = pick_configs_fp8 if fp8 else pick_configs
         g1, g2 = picker(max(tokens, 1), K, max(num_local, 1), H, inter)
@@ -876,11 +886,11 @@ class SymmetricMemoryEPWorkspace:
                 w13_scale, w2_scale = scales
                 launch_fp8_gemm1(
                     self.xl, self.xsl, w13, w13_scale, self.act, self.act_s, self.sorted_rows, self.counts,
-                    rows, K, g1, in_dtype=self.dtype, scale_bn=scale_bn, interpret=interpret,
+                    rows, K, g1, in_dtype=self.dtype, scale_bn=scale_bn, interpret=interpret, pdl=pdl_on,
                 )
                 launch_fp8_gemm2(
                     self.act, self.act_s, w2, w2_scale, y, self.sorted_rows, self.counts, rows, g2,
-                    scale_bn=scale_bn, interpret=interpret, **push_args,
+                    scale_bn=scale_bn, interpret=interpret, pdl=pdl_on, **push_args,
                 )
             else:
                 pull = {}
@@ -890,8 +900,8 @@ class SymmetricMemoryEPWorkspace:
                     pull = dict(kernel=_ep_gemm1_pull_kernel, extra_args=pull_args,
                                 K_PAD=k_pad, BT=PULL_BT, BLOCK_H=copy_block_h)
                 launch_gemm1(self.xl, w13, self.act, self.sorted_rows, self.counts, rows, K, g1, interpret=interpret,
-                             **pull)
-                launch_gemm2(self.act, w2, y, self.sorted_rows, self.counts, rows, g2, interpret=interpret, **push_args)
+                             pdl=pdl_on, **pull)
+                launch_gemm2(self.act, w2, y, self.sorted_rows, self.counts, rows, g2, interpret=interpret, pdl=pdl_on, **push_args)
 
         def combine():
             if tokens:

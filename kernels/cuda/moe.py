@@ -55,13 +55,13 @@ and the next call raises ``ValueError`` naming them (``bad_ids.py``).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from .. import bad_ids
+from ..env import knob
 from ..reference import check_fused_moe_args
 
 __all__ = [
@@ -846,15 +846,7 @@ def _tma_ok(t: torch.Tensor) -> bool:
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-# Programmatic dependent launch for every kernel of a call (``_grid_dependency``); ``MOK_PDL=0``
-# launches them the ordinary way.
-PDL = os.environ.get("MOK_PDL", "1") not in ("", "0")
-# Both GEMMs as one launch at decode sizes (``one_launch_decode``); ``MOK_DECODE_ONE_LAUNCH=0``
-# runs them as two.
-ONE_LAUNCH_DECODE = os.environ.get("MOK_DECODE_ONE_LAUNCH", "1") not in ("", "0")
+    return knob("interpret")
 
 
 @functools.lru_cache(maxsize=None)
@@ -862,10 +854,12 @@ def _cc_major(device_index: int) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
 
 
-def pdl_launch(t: torch.Tensor) -> dict:
+def pdl_launch(t: torch.Tensor, pdl: bool | None = None) -> dict:
     """The launch keywords of a kernel on ``t``'s device: ``PDL`` (the kernel's constexpr) and
-    ``launch_pdl``, both on for compiled code on Hopper and newer unless ``MOK_PDL=0``."""
-    on = PDL and t.is_cuda and not _interpreting() and _cc_major(t.device.index or 0) >= 9
+    ``launch_pdl``, both on for compiled code on Hopper and newer when ``pdl`` is (default: the
+    ``pdl`` knob, ``MOK_PDL``, read now; programmatic dependent launch for every kernel of a call,
+    see ``_grid_dependency``)."""
+    on = knob("pdl", pdl) and t.is_cuda and not _interpreting() and _cc_major(t.device.index or 0) >= 9
     return dict(PDL=on, launch_pdl=on)
 
 
@@ -920,6 +914,7 @@ def launch_schedule(
     num_local: int,
     num_global: int,
     *,
+    pdl: bool | None = None,
     kernel=None,
     extra_programs: int = 0,
     extra_args: tuple = (),
@@ -936,7 +931,7 @@ def launch_schedule(
         topk_ids, expert_map if has_map else topk_ids, counts, sorted_rows,  # (dummy pointer without a map)
         bad_ids.report_words(topk_ids.device),
         rows, num_global, num_local, topk_ids.stride(0), topk_ids.stride(1), *extra_args,
-        TOPK=topk_ids.shape[1], HAS_MAP=has_map, **schedule_block(rows), **pdl_launch(counts), **extra_constexprs,
+        TOPK=topk_ids.shape[1], HAS_MAP=has_map, **schedule_block(rows), **pdl_launch(counts, pdl), **extra_constexprs,
     )
 
 
@@ -948,11 +943,13 @@ def schedule_block(rows: int) -> dict:
     return dict(BLOCK=256 if rows <= 256 else 1024, num_warps=4)
 
 
-def kernel_variants(tokens: int, top_k: int, num_local: int, hidden: int, inter: int) -> tuple:
+def kernel_variants(tokens: int, top_k: int, num_local: int, hidden: int, inter: int, *,
+                    one_launch: bool | None = None) -> tuple:
     """What selects the compiled kernels a ``fused_moe_triton`` call of ``tokens`` tokens runs: the
     schedule's block and both GEMM configs. Per-call counts are never specialized on, so calls with
-    equal variants (and equal dtypes) run the same binaries (``kernels.warm_up`` compiles each)."""
-    g1, g2 = pick_configs(tokens, top_k, num_local, hidden, inter, one_launch=ONE_LAUNCH_DECODE)
+    equal variants (and equal dtypes) run the same binaries (``kernels.warm_up`` compiles each).
+    ``one_launch`` as ``fused_moe_triton``'s."""
+    g1, g2 = pick_configs(tokens, top_k, num_local, hidden, inter, one_launch=knob("one_launch", one_launch))
     return tuple(tuple(sorted(d.items())) for d in (schedule_block(tokens * top_k), g1, g2))
 
 
@@ -966,6 +963,7 @@ def launch_gemm1(
     top_k: int,
     config: dict,
     *,
+    pdl: bool | None = None,
     interpret: bool,
     kernel=None,
     extra_args: tuple = (),
@@ -991,7 +989,7 @@ def launch_gemm1(
         TOPK=top_k, E_PAD=_e_pad(num_local),
         EVEN_K=hidden % g["BLOCK_K"] == 0, EVEN_N=inter % bn == 0,
         DOT_IEEE=act.dtype == torch.float32 or interpret, DOT_F32=interpret,
-        **pdl_launch(act), **extra_constexprs, **g,
+        **pdl_launch(act, pdl), **extra_constexprs, **g,
     )
 
 
@@ -1004,6 +1002,7 @@ def launch_gemm2(
     rows: int,
     config: dict,
     *,
+    pdl: bool | None = None,
     interpret: bool,
     kernel=None,
     extra_args: tuple = (),
@@ -1026,7 +1025,7 @@ def launch_gemm2(
         E_PAD=_e_pad(num_local),
         EVEN_K=inter % g["BLOCK_K"] == 0, EVEN_N=hidden % bn == 0,
         DOT_IEEE=act.dtype == torch.float32 or interpret, DOT_F32=interpret,
-        **pdl_launch(act), **extra_constexprs, **g,
+        **pdl_launch(act, pdl), **extra_constexprs, **g,
     )
 
 
@@ -1096,6 +1095,7 @@ def launch_decode_experts(
     top_k: int,
     configs: tuple[dict, dict],
     *,
+    pdl: bool | None = None,
     interpret: bool,
     max_polls: int = DECODE_MAX_POLLS,
     timeline: torch.Tensor | None = None,
@@ -1139,7 +1139,7 @@ def launch_decode_experts(
         BLOCK_N2=bn2, BLOCK_K2=bk2, STAGES2=g2["num_stages"], EVEN_K2=inter % bk2 == 0, EVEN_N2=hidden % bn2 == 0,
         USE_TMA2=g2["USE_TMA"], NARROW_N2=narrow_n2,
         DOT_IEEE=act.dtype == torch.float32 or interpret, DOT_F32=interpret, SWAP_AB=g1.get("SWAP_AB", False),
-        TIMELINE=timeline is not None, num_warps=g1["num_warps"], num_stages=g1["num_stages"], **pdl_launch(act),
+        TIMELINE=timeline is not None, num_warps=g1["num_warps"], num_stages=g1["num_stages"], **pdl_launch(act, pdl),
     )
 
 
@@ -1157,6 +1157,7 @@ def launch_combine(
     num_local: int,
     num_global: int,
     *,
+    pdl: bool | None = None,
     interpret: bool,
 ) -> None:
     """``_moe_combine_kernel``: ``out[t] = sum_k w[t, k] * y[t * K + k]`` in fp32, k in order,
@@ -1169,7 +1170,7 @@ def launch_combine(
         hidden, num_global, num_local,
         topk_ids.stride(0), topk_ids.stride(1), topk_weights.stride(0), topk_weights.stride(1), out.stride(0),
         TOPK=topk_ids.shape[1], HAS_MAP=has_map, BLOCK_H=block_h, RNE_FIX=interpret, num_warps=4,
-        **pdl_launch(out),
+        **pdl_launch(out, pdl),
     )
 
 
@@ -1209,6 +1210,8 @@ def fused_moe_triton(
     *,
     expert_map: torch.Tensor | None = None,
     activation: str = "silu",
+    pdl: bool | None = None,
+    one_launch: bool | None = None,
     _configs: tuple[dict, dict] | None = None,
     _timeline: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -1216,6 +1219,9 @@ def fused_moe_triton(
 
     No host synchronisation: the arguments' shapes, dtypes and devices are checked on the host,
     the ids' values by the schedule kernel, which reports bad ones to the next call (``bad_ids.py``).
+    ``pdl``: launch with programmatic dependent launch (``pdl_launch``); ``one_launch``: both GEMMs
+    as one launch at decode sizes (``one_launch_decode``); either left at ``None`` is read from the
+    environment now (``env.py``: ``MOK_PDL``, ``MOK_DECODE_ONE_LAUNCH``, both on by default).
     ``_configs`` overrides the block sizes (benchmark sweeps only); ``_timeline`` receives the
     one-launch decode kernel's per-item records (profiles only, see ``launch_decode_experts``).
     """
@@ -1229,23 +1235,24 @@ def fused_moe_triton(
     tokens, hidden, num_local, inter, top_k, rows, num_global, counts, sorted_rows = layer
     dev = hidden_states.device
     interpret = _interpreting()
+    pdl = knob("pdl", pdl)
     act = torch.empty((rows, inter), dtype=hidden_states.dtype, device=dev)
     y = torch.empty((rows, hidden), dtype=hidden_states.dtype, device=dev)
 
     if _configs is None:
-        _configs = pick_configs(tokens, top_k, num_local, hidden, inter, one_launch=ONE_LAUNCH_DECODE)
+        _configs = pick_configs(tokens, top_k, num_local, hidden, inter, one_launch=knob("one_launch", one_launch))
     g1, g2 = _configs
     if one_launch_decode(g1, g2):
         sync = torch.empty(decode_sync_words(rows, num_local, g1["BLOCK_M"]), dtype=torch.int32, device=dev)
         launch_schedule(topk_ids, expert_map, counts, sorted_rows, num_local, num_global,
-                        kernel=_moe_schedule_zero_kernel, extra_programs=1, extra_args=(sync, sync.numel()))
+                        kernel=_moe_schedule_zero_kernel, extra_programs=1, extra_args=(sync, sync.numel()), pdl=pdl)
         launch_decode_experts(hidden_states, w13, w2, act, y, sorted_rows, counts, sync, rows, top_k, (g1, g2),
-                              interpret=interpret, timeline=_timeline)
+                              interpret=interpret, timeline=_timeline, pdl=pdl)
     elif _timeline is not None:
         raise ValueError("a timeline records the one-launch decode kernel, and this call's configs do not run it")
     else:
-        launch_schedule(topk_ids, expert_map, counts, sorted_rows, num_local, num_global)
-        launch_gemm1(hidden_states, w13, act, sorted_rows, counts, rows, top_k, g1, interpret=interpret)
-        launch_gemm2(act, w2, y, sorted_rows, counts, rows, g2, interpret=interpret)
-    launch_combine(y, out, topk_ids, topk_weights, expert_map, num_local, num_global, interpret=interpret)
+        launch_schedule(topk_ids, expert_map, counts, sorted_rows, num_local, num_global, pdl=pdl)
+        launch_gemm1(hidden_states, w13, act, sorted_rows, counts, rows, top_k, g1, interpret=interpret, pdl=pdl)
+        launch_gemm2(act, w2, y, sorted_rows, counts, rows, g2, interpret=interpret, pdl=pdl)
+    launch_combine(y, out, topk_ids, topk_weights, expert_map, num_local, num_global, interpret=interpret, pdl=pdl)
     return out

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from .. import bad_ids
+from ..env import knob
 from ..fp8 import AMAX_FLOOR, BLOCK_SHAPE, FP8_DTYPE, FP8_MAX, check_fused_moe_fp8_args
 from .moe import (
     _acc_zeros,
@@ -344,6 +345,7 @@ def launch_fp8_schedule_quantize(
     num_local: int,
     num_global: int,
     *,
+    pdl: bool | None = None,
     interpret: bool,
 ) -> None:
     """Launch 1: ``triton_moe``'s schedule over ``topk_ids`` (programs ``< num_local``) and the
@@ -353,6 +355,7 @@ def launch_fp8_schedule_quantize(
         topk_ids, expert_map, counts, sorted_rows, num_local, num_global,
         kernel=_fp8_schedule_quantize_kernel, extra_programs=quantize_programs(tokens, hidden),
         extra_args=(x, xq, xs, tokens, hidden, x.stride(0), x.stride(1)), QROWS=QROWS, RNE_FIX=interpret,
+        pdl=pdl,
     )
 
 
@@ -369,6 +372,7 @@ def launch_fp8_gemm1(
     top_k: int,
     config: dict,
     *,
+    pdl: bool | None = None,
     in_dtype: torch.dtype,
     scale_bn: int,
     interpret: bool,
@@ -388,7 +392,7 @@ def launch_fp8_gemm1(
         num_local, hidden, inter, num_m,
         w13.stride(0), w13.stride(1), w13.stride(2), w13_scale.stride(0), w13_scale.stride(1), w13_scale.stride(2),
         IN_DTYPE=_TL_DTYPES[in_dtype], TOPK=top_k, E_PAD=_e_pad(num_local), SCALE_BN=scale_bn,
-        EVEN_K=hidden % GROUP == 0, EVEN_N=inter % GROUP == 0, RNE_FIX=interpret, **pdl_launch(act_q), **g,
+        EVEN_K=hidden % GROUP == 0, EVEN_N=inter % GROUP == 0, RNE_FIX=interpret, **pdl_launch(act_q, pdl), **g,
     )
 
 
@@ -403,6 +407,7 @@ def launch_fp8_gemm2(
     rows: int,
     config: dict,
     *,
+    pdl: bool | None = None,
     scale_bn: int,
     interpret: bool,
     kernel=None,
@@ -423,7 +428,7 @@ def launch_fp8_gemm2(
         w2.stride(0), w2.stride(1), w2.stride(2), w2_scale.stride(0), w2_scale.stride(1), w2_scale.stride(2),
         *extra_args,
         E_PAD=_e_pad(num_local), SCALE_BN=scale_bn,
-        EVEN_K=inter % GROUP == 0, EVEN_N=hidden % bn == 0, RNE_FIX=interpret, **pdl_launch(act_q),
+        EVEN_K=inter % GROUP == 0, EVEN_N=hidden % bn == 0, RNE_FIX=interpret, **pdl_launch(act_q, pdl),
         **extra_constexprs, **g,
     )
 
@@ -445,12 +450,13 @@ def fused_moe_fp8_triton(
     expert_map: torch.Tensor | None = None,
     activation: str = "silu",
     block_shape=BLOCK_SHAPE,
+    pdl: bool | None = None,
     _configs: tuple[dict, dict] | None = None,
 ) -> torch.Tensor:
     """The FP8 MoE layer's routed experts (see ``fp8.py``) in four Triton launches.
 
     No host synchronisation: ids' values are checked by the schedule kernel, as in
-    ``fused_moe_triton``. ``_configs`` overrides the block sizes (benchmark sweeps).
+    ``fused_moe_triton``, and ``pdl`` as there. ``_configs`` overrides the block sizes (benchmark sweeps).
     """
     bad_ids.raise_if_reported(hidden_states.device)
     bn_scale, bk_scale = check_fused_moe_fp8_args(
@@ -465,6 +471,7 @@ def fused_moe_fp8_triton(
     tokens, hidden, num_local, inter, top_k, rows, num_global, counts, sorted_rows = layer
     dtype, dev = hidden_states.dtype, hidden_states.device
     interpret = _interpreting()
+    pdl = knob("pdl", pdl)
     xq = torch.empty((tokens, hidden), dtype=FP8_DTYPE, device=dev)
     xs = torch.empty((tokens, triton.cdiv(hidden, GROUP)), dtype=torch.float32, device=dev)
     act_q = torch.empty((rows, inter), dtype=FP8_DTYPE, device=dev)
@@ -472,13 +479,13 @@ def fused_moe_fp8_triton(
     y = torch.empty((rows, hidden), dtype=dtype, device=dev)
 
     launch_fp8_schedule_quantize(
-        hidden_states, xq, xs, topk_ids, expert_map, counts, sorted_rows, num_local, num_global, interpret=interpret
+        hidden_states, xq, xs, topk_ids, expert_map, counts, sorted_rows, num_local, num_global, interpret=interpret, pdl=pdl
     )
     g1, g2 = _configs if _configs is not None else pick_configs_fp8(tokens, top_k, num_local, hidden, inter)
     launch_fp8_gemm1(
         xq, xs, w13, w13_scale, act_q, act_s, sorted_rows, counts, rows, top_k, g1,
-        in_dtype=dtype, scale_bn=bn_scale, interpret=interpret,
+        in_dtype=dtype, scale_bn=bn_scale, interpret=interpret, pdl=pdl,
     )
-    launch_fp8_gemm2(act_q, act_s, w2, w2_scale, y, sorted_rows, counts, rows, g2, scale_bn=bn_scale, interpret=interpret)
-    launch_combine(y, out, topk_ids, topk_weights, expert_map, num_local, num_global, interpret=interpret)
+    launch_fp8_gemm2(act_q, act_s, w2, w2_scale, y, sorted_rows, counts, rows, g2, scale_bn=bn_scale, interpret=interpret, pdl=pdl)
+    launch_combine(y, out, topk_ids, topk_weights, expert_map, num_local, num_global, interpret=interpret, pdl=pdl)
     return out
