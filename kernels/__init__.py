@@ -2,11 +2,11 @@
 
 ``fused_moe`` is one torch custom op, ``torch.ops.mok_serve.fused_moe``, so that Dynamo (which
 vLLM uses to compile models) treats it as a single opaque call: on CUDA tensors it runs the
-Triton kernels, on CPU tensors the C++ kernel of ``cpu_moe.py`` (registered for the CPU dispatch
+Triton kernels, on CPU tensors the C++ kernel of ``cpu/moe.py`` (registered for the CPU dispatch
 key once built: the dispatcher then calls it without Python), elsewhere the torch reference.
 All compute the function documented in ``reference.py``. ``fused_moe_fp8``
 (``torch.ops.mok_serve.fused_moe_fp8``) is the same for block-scaled FP8 experts (``fp8.py``;
-Triton kernels in ``triton_moe_fp8.py``).
+Triton kernels in ``cuda/moe_fp8.py``).
 """
 
 import torch
@@ -182,9 +182,9 @@ def warm_up_token_counts(num_local: int, hidden: int, inter: int, top_k: int, ma
     """The smallest token count of each Triton kernel variant that calls of 1 to ``max_tokens``
     tokens run, in increasing order (``warm_up`` calls each)."""
     if fp8:
-        from .cuda.moe_fp8 import kernel_variants_fp8 as variants
+        from .cuda.configs import kernel_variants_fp8 as variants
     else:
-        from .cuda.moe import kernel_variants as variants
+        from .cuda.configs import kernel_variants as variants
     first: dict[tuple, int] = {}
     for tokens in range(1, max_tokens + 1):
         first.setdefault(variants(tokens, top_k, num_local, hidden, inter), tokens)

@@ -3,7 +3,7 @@
 Valid top-k ids are ``-1`` (no expert: vLLM's mark for an unrouted slot; the row contributes
 nothing, the token's other experts still count) and global ids in ``[0, E)``; valid expert_map
 values are ``-1`` (another rank's expert) and local ids in ``[0, E_local)``. Every CUDA call of
-``fused_moe``, ``fused_moe_fp8`` and the expert-parallel workspace runs ``triton_moe``'s schedule
+``fused_moe``, ``fused_moe_fp8`` and the expert-parallel workspace runs ``cuda.moe``'s schedule
 kernel over its ids, which masks anything else (no memory is read or written through it) and has
 its program 0 write the smallest and largest offending value into this device's report: a few
 int64 words of pinned host memory, which the kernel writes through unified addressing. No copy,

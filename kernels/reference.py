@@ -26,7 +26,7 @@ K >= 256 (measured). So ``rows_mm`` runs every CPU GEMM as GEMMs of exactly 8 ro
 rows padded to a multiple of 8): a row's bits then come from one fixed GEMM shape, whatever the
 batch.
 The weights may also be given in float32 on the CPU (an exact upcast copy). ``fused_moe`` on CPU
-tensors runs the faster C++ kernel of ``cpu_moe.py``, which computes the same function.
+tensors runs the faster C++ kernel of ``cpu/moe.py``, which computes the same function.
 """
 
 import torch

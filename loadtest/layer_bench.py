@@ -503,7 +503,8 @@ def passes(err, tol) -> bool:
 def bench_rows(shapes, tokens_list, routings, seed, log, clocks, on_row=None, vllm_fm=None):
     """The benchmark's bf16 rows; ``vllm_fm`` (``load_vllm_moe``) adds vLLM's ``fused_experts``."""
     from mok_serve.kernels import fused_moe, fused_moe_reference
-    from mok_serve.kernels.cuda.moe import operand_bytes, pick_configs
+    from mok_serve.kernels.cuda.configs import pick_configs
+    from mok_serve.kernels.cuda.moe import operand_bytes
     from mok_serve.kernels.env import knob
 
     rows = []
@@ -668,7 +669,7 @@ SWEEP_POINTS = [
 def sweep_variants(tokens, top_k, E, H, I):
     """Named (GEMM1, GEMM2) config pairs around the default: gate/up fused into one dot, TMA weights.
     The sweep also times the default with the kernels launched the ordinary way ("no PDL")."""
-    from mok_serve.kernels.cuda.moe import pick_configs
+    from mok_serve.kernels.cuda.configs import pick_configs
     from mok_serve.kernels.env import knob
 
     d1, d2 = pick_configs(tokens, top_k, E, H, I, one_launch=knob("one_launch"))
@@ -742,7 +743,7 @@ def sweep_variants(tokens, top_k, E, H, I):
 
 def sweep_variants_fp8(tokens, top_k, E, H, I):
     """Named (GEMM1, GEMM2) config pairs of the FP8 kernels around ``pick_configs_fp8``'s."""
-    from mok_serve.kernels.cuda.moe_fp8 import pick_configs_fp8
+    from mok_serve.kernels.cuda.configs import pick_configs_fp8
 
     d1, d2 = pick_configs_fp8(tokens, top_k, E, H, I)
 

@@ -297,6 +297,30 @@ def check_decode_wait_gives_up(tm, x, w13, w2, ids, configs=None):
     act = torch.zeros(rows, inter, dtype=x.dtype, device=x.device)
     y = torch.zeros(rows, hidden, dtype=x.dtype, device=x.device)
     tm.launch_decode_experts(x, w13, w2, act, y, sorted_rows, counts, sync, rows, top_k, (g1, g2),
-                             interpret=tm._interpreting(), max_polls=3)
+                             interpret=tm.interpreting(), max_polls=3)
     assert int(sync[tm.SYNC_ERROR]) == 1
     assert torch.isnan(y).all(), "every scheduled row's GEMM2 tile gave up"
+
+
+def interpreted_cuda_modules():
+    """``kernels.cuda``'s ``moe``, ``moe_fp8`` and ``ep`` modules with interpreted Triton kernels
+    (set ``TRITON_INTERPRET=1`` first). Modules imported while it was unset hold compiled-mode
+    kernels: then every module is reloaded, in import order, so that each one also holds the
+    current functions of the tile modules it imports."""
+    import importlib
+
+    from mok_serve.kernels.cuda import configs, ep, fp8_tiles, launch, moe, moe_fp8, tiles
+
+    mods = [tiles, fp8_tiles, launch, configs, moe, moe_fp8, ep]
+    stale = False
+    for m in mods:
+        for name, obj in vars(m).items():
+            kind = type(obj).__name__
+            if kind == "JITFunction":
+                stale = True
+            elif kind == "InterpretedFunction":
+                stale |= any(m is not src and getattr(src, name, obj) is not obj for src in (tiles, fp8_tiles))
+    if stale:
+        for m in mods:
+            importlib.reload(m)
+    return moe, moe_fp8, ep

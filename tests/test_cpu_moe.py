@@ -1,4 +1,4 @@
-"""The C++ CPU kernel (kernels/cpu_moe.cpp) against the torch reference, its invariances, and its
+"""The C++ CPU kernel (kernels/cpu/cpu_moe.cpp) against the torch reference, its invariances, and its
 registration as the CPU kernel of mok_serve::fused_moe (no Python per call, the reference's errors)."""
 
 import subprocess

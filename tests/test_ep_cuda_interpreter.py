@@ -17,27 +17,12 @@ if torch.cuda.is_available():
 os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
-import importlib  # noqa: E402
-
 from mok_serve.kernels import fused_moe_fp8_reference, fused_moe_reference  # noqa: E402
-from mok_serve.kernels.cuda import moe as tm  # noqa: E402
-from mok_serve.kernels.cuda import moe_fp8 as tf  # noqa: E402
 from mok_serve.kernels.fp8 import quantize_fp8_blocks, quantize_fp8_groups  # noqa: E402
 from ep_sim import local_experts, run_call, run_split, simulated_ranks  # noqa: E402
-from moe_test_utils import rel_err  # noqa: E402
+from moe_test_utils import interpreted_cuda_modules, rel_err  # noqa: E402
 
-if type(tm._moe_gemm1_kernel).__name__ != "InterpretedFunction":
-    tm = importlib.reload(tm)
-if type(tf._fp8_gemm1_kernel).__name__ != "InterpretedFunction" or tf._expert_tile is not tm._expert_tile:
-    tf = importlib.reload(tf)
-from mok_serve.kernels.cuda import ep as ep_cuda  # noqa: E402
-
-if (
-    type(ep_cuda._ep_sync_kernel).__name__ != "InterpretedFunction"
-    or ep_cuda._expert_tile is not tm._expert_tile
-    or ep_cuda.launch_fp8_gemm1 is not tf.launch_fp8_gemm1
-):
-    ep_cuda = importlib.reload(ep_cuda)
+tm, tf, ep_cuda = interpreted_cuda_modules()
 
 HIDDEN, INTER, TOP_K, MAX_T = 32, 16, 4, 8
 ep_cuda.PULL_BT = 2  # several pulled chunks per source at these sizes

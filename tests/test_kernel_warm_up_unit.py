@@ -6,8 +6,7 @@ import torch
 pytest.importorskip("triton")
 
 from mok_serve.kernels import warm_up, warm_up_token_counts  # noqa: E402
-from mok_serve.kernels.cuda.moe import kernel_variants  # noqa: E402
-from mok_serve.kernels.cuda.moe_fp8 import kernel_variants_fp8  # noqa: E402
+from mok_serve.kernels.cuda.configs import kernel_variants, kernel_variants_fp8  # noqa: E402
 
 QWEN3_30B = dict(num_local=128, hidden=2048, inter=768, top_k=8)
 

@@ -46,7 +46,7 @@ for tokens in (0, 1, 7, 2**40):
 for ids in ("i32", "i64"):
     for has_map in (False, True):
         for n in (1, 3):  # one row, one expert: every count argument arrives as the constant 1
-            build(tm._moe_schedule_kernel,
+            build(tm.moe_schedule_kernel,
                   dict(topk_ids_ptr="*" + ids, expert_map_ptr="*i32", counts_ptr="*i32", sorted_rows_ptr="*i32",
                        report_ptr="*i64"),
                   dict(num_rows=n, num_global=n, num_local=n, stride_it=n, stride_ik=1),

@@ -5,7 +5,6 @@ wrongly, which the kernels correct under ``RNE_FIX`` (see ``triton_moe_fp8._to_f
 machines with CUDA, where the GPU tests cover the compiled kernels.
 """
 
-import importlib
 import os
 
 import pytest
@@ -17,14 +16,10 @@ os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
 from mok_serve.kernels import fused_moe_fp8_reference  # noqa: E402
-from mok_serve.kernels.cuda import moe as tm  # noqa: E402
-from mok_serve.kernels.cuda import moe_fp8 as tf  # noqa: E402
 from mok_serve.kernels.fp8 import dequantize_fp8_groups, quantize_fp8_groups  # noqa: E402
-from moe_test_utils import make_fp8_inputs, rel_err  # noqa: E402
+from moe_test_utils import interpreted_cuda_modules, make_fp8_inputs, rel_err  # noqa: E402
 
-if type(tf._fp8_gemm1_kernel).__name__ != "InterpretedFunction":
-    tm = importlib.reload(tm)
-    tf = importlib.reload(tf)
+tm, tf, _ = interpreted_cuda_modules()
 
 
 def make(tokens, hidden, inter, experts, top_k, dtype=torch.bfloat16, seed=0, num_global=None, block=(128, 128)):

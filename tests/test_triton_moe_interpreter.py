@@ -16,13 +16,15 @@ os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
 from mok_serve.kernels import fused_moe_reference  # noqa: E402
-from mok_serve.kernels.cuda import moe as tm  # noqa: E402
-from moe_test_utils import check_decode_one_launch_bits, check_decode_wait_gives_up, make_inputs, rel_err  # noqa: E402
+from moe_test_utils import (  # noqa: E402
+    check_decode_one_launch_bits,
+    check_decode_wait_gives_up,
+    interpreted_cuda_modules,
+    make_inputs,
+    rel_err,
+)
 
-if not hasattr(tm._moe_gemm1_kernel, "fn") or type(tm._moe_gemm1_kernel).__name__ != "InterpretedFunction":
-    import importlib
-
-    tm = importlib.reload(tm)
+tm, _, _ = interpreted_cuda_modules()
 
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -48,7 +50,7 @@ def test_schedule_positions_are_prefix_sums_in_token_order():
     rows = tokens * top_k
     counts = torch.full((experts,), -7, dtype=torch.int32)
     sorted_rows = torch.full((rows,), -7, dtype=torch.int32)
-    tm._moe_schedule_kernel[(experts,)](
+    tm.moe_schedule_kernel[(experts,)](
         ids, ids, counts, sorted_rows, torch.zeros(4, dtype=torch.int64), rows, experts, experts,
         ids.stride(0), ids.stride(1),
         TOPK=top_k, HAS_MAP=False, BLOCK=16, PDL=False,

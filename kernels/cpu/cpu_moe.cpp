@@ -27,7 +27,7 @@
 //   flushes subnormal results, the FMA does not (bits can differ only where a subnormal occurs).
 //   fp16 and fp32 activations take the generic path on every CPU.
 //
-// The ISA is process-wide, set once at load (`set_isa`, from cpu_moe.py's MOK_SERVE_CPU_ISA) and
+// The ISA is process-wide, set once at load (`set_isa`, from cpu/moe.py's MOK_SERVE_CPU_ISA) and
 // never chosen by row count or thread count.
 //
 // Around the GEMMs: rows sorted by expert (stable counting sort), cut into blocks of up to 8
@@ -862,7 +862,7 @@ at::Tensor fused_moe(const at::Tensor& x_in, const at::Tensor& w13, const at::Te
 }
 
 // The ISA of the GEMMs in this process: "generic" or "avx512_bf16". `name` "auto" picks the best
-// this CPU has; "" changes nothing. cpu_moe.py calls it once at load (MOK_SERVE_CPU_ISA); tests
+// this CPU has; "" changes nothing. cpu/moe.py calls it once at load (MOK_SERVE_CPU_ISA); tests
 // call it to run both ISAs.
 std::string set_isa(std::string_view name) {
   if (!name.empty()) {

@@ -1,7 +1,7 @@
 """Expert parallelism on CUDA GPUs: kittens' pull-based dispatch and combine over symmetric memory.
 
 ``SymmetricMemoryEPWorkspace`` has the constructor and ``fused_moe`` API of the CPU version
-(``ep_cpu.SharedMemoryEPWorkspace``) and the same algorithm, but every step is a Triton kernel on
+(``cpu.ep.SharedMemoryEPWorkspace``) and the same algorithm, but every step is a Triton kernel on
 the current stream and no step synchronises with the host. Each rank (one GPU) owns one
 symmetric-memory segment (``torch.distributed._symmetric_memory``), mapped into every peer, and
 the kernels take int64 tables of the peers' segment addresses.
@@ -32,9 +32,9 @@ One call, on rank ``me`` (launches in stream order; epoch ``e``):
    [S * B, K]`` (``-1`` past ``n``; a source that posted another ``B`` is an error), and **pull**
    each source token row that has at least one local expert, once, from the source's ``x`` into
    ``xl [S * B, H]`` (unless GEMM1 pulls).
-4. ``schedule``: ``triton_moe``'s prefix-sum schedule over ``all_ids`` with this rank's expert map:
+4. ``schedule``: ``cuda.moe``'s prefix-sum schedule over ``all_ids`` with this rank's expert map:
    per local expert, its rows in (source rank, token, k) order; positions by prefix sums only.
-5. ``gemm1`` / ``gemm2``: ``triton_moe``'s grouped GEMM tiles (same block sizes rule, BLOCK_K per
+5. ``gemm1`` / ``gemm2``: ``cuda.moe``'s grouped GEMM tiles (same block sizes rule, BLOCK_K per
    shape, no split-K). With ``pull_in_gemm1`` (bf16, opt-in: ``MOK_EP_PULL_IN_GEMM1=1`` until it
    is measured on 2 GPUs, loadtest/JOURNAL.md#rows-pulled-inside-gemm1-at-ep2-445621b-2026-11-30)
    GEMM1 (``_ep_gemm1_pull_kernel``) pulls the rows itself, each needed row once, from the source's
@@ -49,7 +49,7 @@ One call, on rank ``me`` (launches in stream order; epoch ``e``):
 6. ``sync(COMPUTED)``: release-store ``e`` into every peer's ``flags[COMPUTED, me]``; wait for all.
 7. ``combine``: ``out[t] = sum_k w[t, k] * y_k`` in fp32 in k order, where ``y_k`` is pulled from
    the owner of expert ``ids[t, k]`` (its ``y`` row ``(me * B + t) * K + k``) or read from the
-   local ``ret`` (push). Same arithmetic as ``triton_moe``'s combine, so the output is bitwise that
+   local ``ret`` (push). Same arithmetic as ``cuda.moe``'s combine, so the output is bitwise that
    of one-GPU ``fused_moe`` on the global inputs (each row's GEMM result depends only on the row).
 
 Why buffers can be reused without a trailing barrier: a rank overwrites ``x``/``ids``/``n`` in call
@@ -85,32 +85,12 @@ from ..env import knob
 from ..ep_types import ExpertPlacement, PeerTimeoutError, call_bound
 from ..fp8 import BLOCK_SHAPE, FP8_DTYPE, check_fused_moe_fp8_args
 from ..reference import check_fused_moe_args
-from .moe import (
-    _cast,
-    _expert_tile,
-    _gemm1_tile,
-    _gemm2_tile,
-    _grid_dependency,
-    _interpreting,
-    _now,
-    _tile_rows,
-    combine_block,
-    launch_gemm1,
-    launch_gemm2,
-    launch_schedule,
-    pdl_launch,
-    pick_configs,
-)
-from .moe_fp8 import (
-    GROUP,
-    QROWS,
-    _fp8_gemm2_tile,
-    _quantize_tile,
-    launch_fp8_gemm1,
-    launch_fp8_gemm2,
-    pick_configs_fp8,
-    quantize_programs,
-)
+from .configs import combine_block, pick_configs, pick_configs_fp8
+from .fp8_tiles import GROUP, fp8_gemm2_tile, quantize_tile
+from .launch import interpreting, pdl_launch
+from .moe import launch_gemm1, launch_gemm2, launch_schedule
+from .moe_fp8 import QROWS, launch_fp8_gemm1, launch_fp8_gemm2, quantize_programs
+from .tiles import cast, expert_tile, gemm1_tile, gemm2_tile, grid_dependency, now, tile_rows
 
 __all__ = ["ExpertPlacement", "PeerTimeoutError", "SymmetricMemoryEPWorkspace"]
 
@@ -138,7 +118,7 @@ WHAT = {POSTED: "post its tokens", COMPUTED: "finish its experts", ROWS: "delive
 def _uniform_now(clock_ptr, USE_TIMER: tl.constexpr):
     """The clock as one value in every thread: one thread's reading goes through the clock word by
     a scalar atomic exchange, and a scalar atomic read broadcasts it back."""
-    tl.atomic_xchg(clock_ptr, _now(USE_TIMER), sem="relaxed")
+    tl.atomic_xchg(clock_ptr, now(USE_TIMER), sem="relaxed")
     return tl.atomic_add(clock_ptr, 0, sem="relaxed")
 
 
@@ -149,7 +129,7 @@ def _ep_sync_kernel(
     PDL: tl.constexpr,
 ):
     """Signal ``slot`` with this call's epoch to every peer, then wait (bounded) for every peer."""
-    _grid_dependency(PDL)
+    grid_dependency(PDL)
     if BUMP_EPOCH:
         epoch = tl.load(state_ptr + 0) + 1
         tl.store(state_ptr + 0, epoch)
@@ -190,10 +170,10 @@ def _ep_post_kernel(
     COPY_X: tl.constexpr, QUANT: tl.constexpr, QROWS: tl.constexpr, RNE_FIX: tl.constexpr, PDL: tl.constexpr,
 ):
     """Programs ``< id_programs``: ``n``, the call's token bound, the ids and (``COPY_X``) the token
-    rows of ``BT`` tokens into the segment. The others (``QUANT``): ``triton_moe_fp8``'s
+    rows of ``BT`` tokens into the segment. The others (``QUANT``): ``cuda.moe_fp8``'s
     quantization pass, e4m3 rows into ``seg_x`` and their 1 x 128 group scales into ``seg_xs``, bit
     for bit as on one GPU."""
-    _grid_dependency(PDL)
+    grid_dependency(PDL)
     pid = tl.program_id(0)
     if pid < id_programs:
         if pid == 0:
@@ -213,7 +193,7 @@ def _ep_post_kernel(
                 tl.store(seg_x_ptr + offs_t[:, None].to(tl.int64) * H + offs_h[None, :], v, mask=m)
     else:
         if QUANT:
-            _quantize_tile(pid - id_programs, x_ptr, seg_x_ptr, seg_xs_ptr, tokens, H, stride_xt, stride_xh,
+            quantize_tile(pid - id_programs, x_ptr, seg_x_ptr, seg_xs_ptr, tokens, H, stride_xt, stride_xh,
                            QROWS, RNE_FIX)
 
 
@@ -255,7 +235,7 @@ def _ep_gather_kernel(
     ``[j * BLOCK_H, (j + 1) * BLOCK_H)`` of its rows, so a row's remote reads are issued by
     ``H / BLOCK_H`` programs at once instead of one after another by a loop (at decode sizes the
     loop's serial NVLink round trips were most of the kernel's time)."""
-    _grid_dependency(PDL)
+    grid_dependency(PDL)
     s = tl.program_id(0)
     hb = tl.program_id(2)
     if not COPY_ROWS:
@@ -339,12 +319,12 @@ def _ep_gemm1_pull_kernel(
     reductions'), and threads that disagree on a trip count would hang there. So the wait is
     bounded by a poll count, not by per-thread clock reads; it waits only for chunks that
     programs of this kernel have claimed, never for a peer."""
-    _grid_dependency(PDL)
-    in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
+    grid_dependency(PDL)
+    in_use, pid_n, e, m0, count_e, start_e = expert_tile(
         tl.program_id(0), counts_ptr, num_local, num_m, I, BLOCK_N, E_PAD, BLOCK_M, GROUP_M
     )
     if in_use:
-        offs_m, row_ok, rows = _tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
+        offs_m, row_ok, rows = tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
         tok = (rows // TOPK).to(tl.int64)
         src = (tok // max_tokens).to(tl.int32)
         chunk = ((tok % max_tokens) // BT).to(tl.int32) * sources + src
@@ -374,7 +354,7 @@ def _ep_gemm1_pull_kernel(
             tl.store(state_ptr + 1, tl.full((), _ROWS_ERR, tl.int64))
         tl.atomic_add(ready_ptr + chunk, 0, mask=row_ok, sem="acquire", scope="gpu")
         tl.debug_barrier()
-        _gemm1_tile(
+        gemm1_tile(
             x_ptr, w_ptr, w_desc, act_ptr, tok, offs_m, row_ok, pid_n, e, start_e, H, I,
             stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB,
@@ -394,7 +374,7 @@ def _push_rows(acc, rows, row_ok, offs_n, n_ok, ret_ptr, rettab_ptr, rank, rows_
     mine = tl.load(rettab_ptr + rank)
     elem = (base - mine) // ELEM_BYTES
     y_ptrs = ret_ptr + (elem + lrow * H)[:, None] + offs_n[None, :]
-    tl.store(y_ptrs, _cast(acc, ret_ptr.dtype.element_ty, RNE_FIX), mask=row_ok[:, None] & n_ok[None, :])
+    tl.store(y_ptrs, cast(acc, ret_ptr.dtype.element_ty, RNE_FIX), mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -409,16 +389,16 @@ def _ep_gemm2_push_kernel(
     USE_TMA: tl.constexpr, GROUP_M: tl.constexpr, SWAP_AB: tl.constexpr, ELEM_BYTES: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """``triton_moe._moe_gemm2_kernel`` (same arithmetic) whose epilogue stores each row straight
+    """``cuda/moe.py``'s ``_moe_gemm2_kernel`` (same arithmetic) whose epilogue stores each row straight
     into the ``ret`` buffer of the row's home rank (push return). Same leading parameters, so
     ``launch_gemm2`` launches it; its own ones follow the strides."""
-    _grid_dependency(PDL)
-    in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
+    grid_dependency(PDL)
+    in_use, pid_n, e, m0, count_e, start_e = expert_tile(
         tl.program_id(0), counts_ptr, num_local, num_m, H, BLOCK_N, E_PAD, BLOCK_M, GROUP_M
     )
     if in_use:
-        offs_m, row_ok, rows = _tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
-        acc, offs_n, n_ok = _gemm2_tile(
+        offs_m, row_ok, rows = tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
+        acc, offs_n, n_ok = gemm2_tile(
             act_ptr, w_ptr, w_desc, e, start_e, offs_m, row_ok, pid_n, H, I,
             stride_we, stride_wn, stride_wk,
             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB,
@@ -439,13 +419,13 @@ def _ep_fp8_gemm2_push_kernel(
 ):
     """``triton_moe_fp8._fp8_gemm2_kernel`` (same arithmetic) with the push epilogue; launched by
     ``launch_fp8_gemm2``."""
-    _grid_dependency(PDL)
-    in_use, pid_n, e, m0, count_e, start_e = _expert_tile(
+    grid_dependency(PDL)
+    in_use, pid_n, e, m0, count_e, start_e = expert_tile(
         tl.program_id(0), counts_ptr, num_local, num_m, H, BLOCK_N, E_PAD, BLOCK_M, GROUP_M
     )
     if in_use:
-        offs_m, row_ok, rows = _tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
-        acc, offs_n, n_ok = _fp8_gemm2_tile(
+        offs_m, row_ok, rows = tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
+        acc, offs_n, n_ok = fp8_gemm2_tile(
             actq_ptr, acts_ptr, w_ptr, w_desc, ws_ptr, e, start_e, offs_m, row_ok, pid_n, H, I,
             stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
             SCALE_BN, BLOCK_M, BLOCK_N, EVEN_K, EVEN_N, USE_TMA, SWAP_AB,
@@ -461,9 +441,9 @@ def _ep_combine_kernel(
     stride_it, stride_ik, stride_wt, stride_wk, stride_ot,
     TOPK: tl.constexpr, PULL: tl.constexpr, BLOCK_H: tl.constexpr, RNE_FIX: tl.constexpr, PDL: tl.constexpr,
 ):
-    """``out[t] = sum_k w[t,k] * y[t,k]`` in fp32 in k order (``triton_moe``'s arithmetic); ``y``
+    """``out[t] = sum_k w[t,k] * y[t,k]`` in fp32 in k order (``cuda.moe``'s arithmetic); ``y``
     pulled from the owner's ``y`` row ``src_row0 + t*K + k`` or read from the local ``ret``."""
-    _grid_dependency(PDL)
+    grid_dependency(PDL)
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs < H
@@ -482,7 +462,7 @@ def _ep_combine_kernel(
             y = tl.load(ret_ptr + row * H + offs, mask=y_ok, other=0.0)
         prod = w * y.to(tl.float32)
         acc = acc + prod
-    tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, _cast(acc, out_ptr.dtype.element_ty, RNE_FIX), mask=h_ok)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, cast(acc, out_ptr.dtype.element_ty, RNE_FIX), mask=h_ok)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -592,7 +572,7 @@ class SymmetricMemoryEPWorkspace:
         self.return_mode = "pull" if replicated_tokens else return_mode
         self.pull_in_gemm1 = pull_in_gemm1
         self.sync_check = sync_check
-        self.interpret = _interpreting()
+        self.interpret = interpreting()
         self.max_spins = _max_spins if _max_spins is not None else (2**62 if not self.interpret else 10_000)
         # GEMM1's wait for pulled rows counts polls (each at least an L2 round trip, ~0.5 us).
         self.max_polls = min(self.max_spins, int(timeout_s * 2e6))

@@ -96,7 +96,7 @@ class KittensExperts(mk.FusedMoEExpertsModular):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if current_platform.is_cpu():
-            # The CPU kernel (kernels/cpu_moe.py) reads each expert's weights transposed: keep them
+            # The CPU kernel (kernels/cpu/moe.py) reads each expert's weights transposed: keep them
             # so in memory, still shaped as vLLM expects, so no call transposes them again.
             for name in ("w13_weight", "w2_weight"):
                 weight = getattr(layer, name)
