@@ -19,7 +19,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from mok_serve.kernels.cuda import moe as tm
-from mok_serve.vllm import timing, timing_triton
+from mok_serve.kernels.cuda import timer
+from mok_serve.vllm import timing
 
 def build(fn, types, ints, consts):
     # Every integer in `ints` as a launch may pass it: 1 as a constant (even where the kernel asks
@@ -39,7 +40,7 @@ def build(fn, types, ints, consts):
 built = []
 for tokens in (0, 1, 7, 2**40):
     for point in range(4):
-        build(timing_triton._moe_timer_kernel, dict(buf_ptr="*i64", bounds_ptr="*i64"),
+        build(timer._moe_timer_kernel, dict(buf_ptr="*i64", bounds_ptr="*i64"),
               dict(point=point, tokens=tokens, sample_every=1, window=1, host_ts=2**40 if tokens else 1),
               dict(RING=8, HIST=16, SUMS=80, NB=timing.NB, NBP=timing.NBP, USE_GLOBALTIMER=True))
         built.append(f"timer point={point} tokens={tokens}")

@@ -1,5 +1,5 @@
 // Per-layer MoE timer on the CPU: the host twin of the Triton timer kernel in
-// mok_serve/vllm/timing_triton.py, with the same int64 buffer layout, so one reader serves both.
+// kernels/cuda/timer.py, with the same int64 buffer layout, so one reader serves both.
 //
 // Built into the same extension as cpu_moe.cpp. mok_serve.vllm.timing registers each MoE layer's
 // buffers under a slot (`timer_register`); the compiled model then calls `moe_timer(t, slot,

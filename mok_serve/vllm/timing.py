@@ -16,7 +16,7 @@ vLLM's (no-ops without EP). Points 1 and 2 are stamped inside the EP op, by the 
 ``on_phase`` hook (:func:`phase_marker`), not by :func:`mark`.
 
 CPU: vLLM compiles the model with Dynamo + Inductor and traces into the MoE method, so
-:func:`mark` is an opaque C++ op (``mok_serve_cpu::moe_timer``, ``kernels/cpu_timer.cpp``) that
+:func:`mark` is an opaque C++ op (``mok_serve_cpu::moe_timer``, ``kernels/cpu/cpu_timer.cpp``) that
 returns a copy of the tensor it is given; the caller threads the copy into the rest of the
 layer (top-k ids into the experts, the output to the layer's consumers), so Inductor cannot move
 a timer away from the work it brackets. It writes the same buffer as the CUDA kernel below, in
@@ -113,7 +113,7 @@ class LayerTimer:
     histograms are cumulative (Prometheus counters never go down).
 
     Stamps live in one int64 buffer on the layer's device, written by the CUDA timer kernel
-    (``timing_triton.py``) or the C++ CPU op (``kernels/cpu_timer.cpp``): ``[0]`` calls, ``[1]``
+    (``kernels/cuda/timer.py``) or the C++ CPU op (``kernels/cpu/cpu_timer.cpp``): ``[0]`` calls, ``[1]``
     tokens, then ``W x 4`` stamps from ``RING``, then ``4 x NB`` histogram counts from ``hist_off``,
     then 4 sums (ns) from ``sums_off``. The sampling decision, the ring index and the buckets come
     from the call counter in the buffer, so no Python runs per call."""
@@ -221,7 +221,7 @@ class LayerTimer:
 
 class CpuLayerTimer(LayerTimer):
     """Host clock (``steady_clock``), stamped by the C++ op ``mok_serve_cpu::moe_timer``
-    (``kernels/cpu_timer.cpp``), which also counts the top-k ids at BEGIN. Registered with the op
+    (``kernels/cpu/cpu_timer.cpp``), which also counts the top-k ids at BEGIN. Registered with the op
     under the layer's slot; needs kittens' CPU extension (``kernels.cpu.moe.available()``)."""
 
     def __init__(self, *args, **kwargs):
@@ -246,9 +246,9 @@ class TritonLayerTimer(LayerTimer):
 
     def __init__(self, *args, use_globaltimer: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
-        from mok_serve.vllm import timing_triton
+        from mok_serve.kernels.cuda.timer import launch_moe_timer
 
-        self._k = timing_triton
+        self._launch = launch_moe_timer
         self.use_globaltimer = use_globaltimer
 
     def mark(self, t: torch.Tensor | None, point: int) -> None:
@@ -257,7 +257,12 @@ class TritonLayerTimer(LayerTimer):
             ids = t.reshape(-1).to(torch.int64)
             valid = (ids >= 0) & (ids < self.num_experts)
             self.counts.index_add_(0, ids.clamp(0, self.num_experts - 1), valid.to(torch.int64))
-        self._k.launch_mark(self, point, t.shape[0] if point == BEGIN else 0)
+        cfg = self.config
+        self._launch(
+            self.buf, self.bounds, point, t.shape[0] if point == BEGIN else 0, cfg.sample_every, cfg.window,
+            ring=self.RING, hist=self.hist_off, sums=self.sums_off, nb=NB, nbp=NBP,
+            use_globaltimer=self.use_globaltimer,
+        )
 
 
 class _Registry:

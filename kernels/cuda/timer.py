@@ -1,4 +1,6 @@
-"""The device-side MoE timer: one single-program Triton kernel per mark (see ``timing.py``).
+"""The device-side MoE timer: one single-program Triton kernel per mark (``mok_serve/vllm/timing.py``
+registers one per layer and reads the buffer; ``kernels/cpu/cpu_timer.cpp`` is its C++ twin, with
+the same int64 buffer layout).
 
 No host synchronisation, nothing that depends on host state at replay time, so it can be
 captured in CUDA graphs: the sampling decision, the ring index and the histogram bucket are
@@ -11,7 +13,7 @@ import time
 import triton
 import triton.language as tl
 
-from mok_serve.vllm.timing import NB, NBP
+__all__ = ["launch_moe_timer"]
 
 
 # Per-call values are not specialized: Triton would otherwise compile a kernel for each of
@@ -74,20 +76,26 @@ def _moe_timer_kernel(
                 tl.atomic_add(buf_ptr + SUMS + 3, d3)
 
 
-def launch_mark(timer, point: int, tokens: int) -> None:
-    cfg = timer.config
+def launch_moe_timer(
+    buf, bounds, point: int, tokens: int, sample_every: int, window: int, *,
+    ring: int, hist: int, sums: int, nb: int, nbp: int, use_globaltimer: bool,
+) -> None:
+    """One mark: ``point`` of a layer's call of ``tokens`` tokens into the int64 buffer ``buf``
+    (ring of ``ring`` samples, histograms at word ``hist`` of ``nb`` buckets each with the ``nbp``
+    padded bounds in ``bounds``, sums at word ``sums``), sampled every ``sample_every`` calls over a
+    ``window``. ``use_globaltimer=False`` (the interpreter) stamps the host clock instead."""
     _moe_timer_kernel[(1,)](
-        timer.buf,
-        timer.bounds,
+        buf,
+        bounds,
         point,
         tokens,
-        cfg.sample_every,
-        cfg.window,
-        0 if timer.use_globaltimer else time.perf_counter_ns(),
-        RING=timer.RING,
-        HIST=timer.hist_off,
-        SUMS=timer.sums_off,
-        NB=NB,
-        NBP=NBP,
-        USE_GLOBALTIMER=timer.use_globaltimer,
+        sample_every,
+        window,
+        0 if use_globaltimer else time.perf_counter_ns(),
+        RING=ring,
+        HIST=hist,
+        SUMS=sums,
+        NB=nb,
+        NBP=nbp,
+        USE_GLOBALTIMER=use_globaltimer,
     )
