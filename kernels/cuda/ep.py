@@ -74,7 +74,6 @@ not overlap.
 
 from __future__ import annotations
 
-
 import torch
 import torch.distributed as dist
 import triton
