@@ -49,7 +49,7 @@ def quantize_rows(v, RNE_FIX: tl.constexpr):
 def quantize_tile(q, x_ptr, xq_ptr, xs_ptr, tokens, H, stride_xt, stride_xh, QROWS: tl.constexpr, RNE_FIX: tl.constexpr):
     """Quantization program ``q``: one ``[QROWS tokens, 128 columns]`` tile of ``x`` into ``xq``
     (e4m3, ``[tokens, H]`` contiguous) and ``xs`` (fp32, ``[tokens, cdiv(H, 128)]`` contiguous).
-    Shared by the one-GPU launch 1 and the expert-parallel post (ep_cuda.py): the same bits."""
+    Shared by the one-GPU launch 1 and the expert-parallel post (cuda/ep.py): the same bits."""
     num_g = tl.cdiv(H, _GROUP)
     g = q % num_g
     offs_t = (q // num_g) * QROWS + tl.arange(0, QROWS)
@@ -85,7 +85,7 @@ def fp8_gemm2_tile(
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of FP8 GEMM2 for expert ``e``: fp32 accumulator, columns, mask.
-    Shared by every FP8 GEMM2 epilogue (here and the expert-parallel push in ep_cuda.py)."""
+    Shared by every FP8 GEMM2 epilogue (moe_fp8.py's and the expert-parallel push in ep.py)."""
     offs_k = tl.arange(0, _GROUP)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H

@@ -244,7 +244,7 @@ def expert_tile(pid, counts_ptr, num_local, num_m, N, BLOCK_N: tl.constexpr,
     """Tile ``pid`` (the program id, or a work item of the one-launch decode kernel) of a grouped
     GEMM over the scheduled rows (``N`` columns in tiles of ``BLOCK_N``): (tile in use, column
     tile, expert, first row inside the expert, rows of the expert, expert's first sorted
-    position). Shared by every GEMM kernel here, in triton_moe_fp8.py and in ep_cuda.py."""
+    position). Shared by every GEMM kernel in moe.py, moe_fp8.py and ep.py."""
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = program_tile(pid, num_m, num_n, GROUP_M)
     total, e, m0, count_e, start_e = tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M)
@@ -271,7 +271,7 @@ def scatter_rows(acc, rows, row_ok, offs_n, n_ok, y_ptr, H, RNE_FIX: tl.constexp
 @triton.jit
 def load_rows(ptrs, row_ok, k_ok, EVEN_K: tl.constexpr):
     """A [rows, BLOCK_K] A tile: zero in rows past the expert's count and (``k_ok``, only read when
-    not ``EVEN_K``) past the K range. Every GEMM here and in triton_moe_fp8.py loads A this way."""
+    not ``EVEN_K``) past the K range. Every GEMM in moe.py and moe_fp8.py loads A this way."""
     if EVEN_K:
         a = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
     else:
@@ -302,7 +302,7 @@ def gemm1_tile(
     USE_TMA: tl.constexpr, SWAP_AB: tl.constexpr, STAGES: tl.constexpr = None,
 ):
     """One [BLOCK_M, BLOCK_N] tile of GEMM1 for expert ``e`` (A rows ``x[tok]``), SiLU(gate) * up
-    stored into ``act``. Shared with the expert-parallel GEMM1 that pulls its rows (ep_cuda.py).
+    stored into ``act``. Shared with the expert-parallel GEMM1 that pulls its rows (ep.py).
     ``STAGES``: the K loop's pipeline depth (None: the kernel's ``num_stages``).
 
     The B tile is [BLOCK_K, 2*BLOCK_N]: this column tile's gate rows of ``w13`` then its up rows,
@@ -352,7 +352,7 @@ def gemm2_tile(
     USE_TMA: tl.constexpr, SWAP_AB: tl.constexpr, STAGES: tl.constexpr = None,
 ):
     """One [BLOCK_M, BLOCK_N] tile of GEMM2 for expert ``e``: fp32 accumulator, columns, mask.
-    Shared by every GEMM2 epilogue (here and the expert-parallel push in ep_cuda.py). ``SWAP_AB``:
+    Shared by every GEMM2 epilogue (moe.py's and the expert-parallel push in ep.py). ``SWAP_AB``:
     see ``mma``; ``STAGES``: as in ``gemm1_tile``."""
     offs_k = tl.arange(0, BLOCK_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
