@@ -61,13 +61,16 @@ class RequestRecord:
             return None
         return (self.latency - self.ttft) / (self.output_tokens - 1)
 
+    def round_times(self) -> "RequestRecord":
+        """Times to the microsecond, in place: results.json then holds exactly what a run's figures
+        were computed from, at half the size (a GPU run stores ~100k gaps)."""
+        self.ttft, self.latency = round(self.ttft, 6), round(self.latency, 6)
+        self.start_time, self.queue_time = round(self.start_time, 6), round(self.queue_time, 6)
+        self.itl = [round(gap, 6) for gap in self.itl]
+        return self
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        # To the microsecond (the figures are computed before): half the size of a results.json
-        # whose GPU runs hold ~100k gaps.
-        for key in ("ttft", "latency", "start_time", "queue_time"):
-            d[key] = round(d[key], 6)
-        d["itl"] = [round(gap, 6) for gap in self.itl]
         d["tpot"] = self.tpot
         d["arrivals"] = bunching.arrivals(self.itl) if self.success else 0
         d["bunched"] = bunching.is_bunched(self.success, self.output_tokens, self.itl)

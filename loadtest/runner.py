@@ -220,6 +220,7 @@ async def run_target(
             result["gpu_clock"] = opts.clock.summary(t0, time.monotonic()) if opts.clock else None
             if note:
                 result["notes"].append(note)
+            records = [r.round_times() for r in records]
             summary = summarize(records, duration)
             summary["not_sent"] = not_sent
             result["records"] = [r.to_dict() for r in records]
