@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from . import layers as layers_mod
+from . import server_layers
 from .report import WARN, get, is_distorted, run_names, run_of
 
 COLORS = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"]
@@ -275,7 +275,7 @@ def layers_figure(results: dict[str, Any]):
         per_target = {}
         for t in results["targets"]:
             parsed = ((run_of(t, name) or {}).get("layers") or {}).get("parsed")
-            if parsed and layers_mod.headline_field(parsed):
+            if parsed and server_layers.headline_field(parsed):
                 per_target[t["name"]] = parsed
         if per_target:
             panels.append((name, per_target))
@@ -297,7 +297,7 @@ def layers_figure(results: dict[str, Any]):
     for ax, (name, per_target) in zip(axes.flat, panels):
         width = 0.8 / len(per_target)
         for j, (tname, parsed) in enumerate(per_target.items()):
-            key = layers_mod.headline_field(parsed)
+            key = server_layers.headline_field(parsed)
             fields.add(key)
             ax.bar([i + j * width for i in range(len(parsed))], [l["fields"][key] for l in parsed], width=width,
                    label=tname, color=look[tname]["color"])

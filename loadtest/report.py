@@ -222,12 +222,12 @@ def headline_table(results: dict[str, Any]) -> str:
 def layer_mean(run: dict[str, Any] | None) -> float | None:
     """Mean over the MoE layers (and ranks) of the per-layer headline time (a mean latency) from
     ``GET /v1/kittens/layers`` for one run; None when the server did not give one."""
-    from . import layers as layers_mod
+    from . import server_layers
 
     parsed = ((run or {}).get("layers") or {}).get("parsed")
     if not parsed:
         return None
-    key = layers_mod.headline_field(parsed)
+    key = server_layers.headline_field(parsed)
     if key is None:
         return None
     return sum(l["fields"][key] for l in parsed) / len(parsed)

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import aiohttp
 
-from . import client, layers
+from . import client, server_layers
 from .metrics import RequestRecord, moe_step_share, summarize
 from .workload import WorkItem, arrival_offsets
 
@@ -229,7 +229,7 @@ async def run_target(
             if layers_available:
                 state, data = await fetch_layers(session, target)
                 if state == "ok":
-                    result["layers"] = {"available": True, "raw": data, "parsed": layers.parse_layers(data)}
+                    result["layers"] = {"available": True, "raw": data, "parsed": server_layers.parse_layers(data)}
                     result["moe"] = moe_step_share(data)
                 else:
                     result["layers"] = {"available": state != "absent", "error": data}

@@ -3,7 +3,7 @@ and withholds their ratios, the progress bar's ETA, and what the plots draw."""
 
 import pytest
 
-from mok_serve.loadtest import bunching, cli, layers, plots, report
+from mok_serve.loadtest import bunching, cli, plots, report, server_layers
 from mok_serve.loadtest.metrics import RequestRecord, summarize
 
 SPREAD_GAP = 0.005  # a server step
@@ -165,7 +165,7 @@ def test_progress_eta_leaves_out_server_starts_and_counts_them_once():
 def fake_layers(mean_us):
     doc = {"layers": [{"layer": f"model.layers.{i}.mlp.experts", "rank": 0, "calls": 10,
                        "latency_us": {"mean": mean_us + 10 * i, "p50": mean_us}} for i in range(2)]}
-    return {"available": True, "parsed": layers.parse_layers(doc)}
+    return {"available": True, "parsed": server_layers.parse_layers(doc)}
 
 
 def test_latency_plot_has_tpot_and_the_poisson_run():

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mok_serve import tiny_models
-from mok_serve.loadtest import client, layers, report, workload
+from mok_serve.loadtest import client, report, server_layers, workload
 from mok_serve.loadtest.metrics import RequestRecord, peak_output_tokens_per_s, ratio, stats, summarize
 
 
@@ -146,15 +146,15 @@ def test_layers_json_parsing():
          "latency_us": {"mean": 55.0, "p50": 54.0, "p90": 60.0, "p99": 75.0},
          "phases": {"experts": {"mean_us": 41.0}}, "expert_tokens": [1, 2, 3], "imbalance": 1.2},
     ]}
-    parsed = layers.parse_layers(doc)
+    parsed = server_layers.parse_layers(doc)
     assert [p["label"] for p in parsed] == ["model.layers.0.mlp.experts (rank 0)", "model.layers.1.mlp.experts (rank 0)"]
     assert set(parsed[0]["time_fields"]) == {"latency_us.mean", "latency_us.p50", "latency_us.p90",
                                              "latency_us.p99", "phases.experts.mean_us"}
     assert parsed[0]["fields"]["calls"] == 12 and "calls" not in parsed[0]["time_fields"]
-    assert layers.headline_field(parsed) == "latency_us.mean"
-    assert layers.parse_layers({"nothing": 1}) is None
+    assert server_layers.headline_field(parsed) == "latency_us.mean"
+    assert server_layers.parse_layers({"nothing": 1}) is None
     # a dict keyed by layer name works too
-    assert layers.parse_layers({"layers": {"l0": {"mean_ms": 1.0}}})[0]["label"] == "l0"
+    assert server_layers.parse_layers({"layers": {"l0": {"mean_ms": 1.0}}})[0]["label"] == "l0"
 
 
 def test_ratios_from_summaries():
@@ -182,12 +182,12 @@ def test_layers_json_of_mok_serve_schema():
                      "expert_tokens": [1] * 8, "local_expert_tokens": 4, "imbalance": 1.1}
                     for r in range(2)]}
                for i in range(2)]}
-    parsed = layers.parse_layers(doc)
+    parsed = server_layers.parse_layers(doc)
     assert [p["label"] for p in parsed] == [f"model.layers.{i}.mlp.experts (rank {r})" for i in range(2) for r in range(2)]
     assert set(parsed[0]["time_fields"]) == {"latency_ms.mean", "latency_ms.p50", "latency_ms.p90", "latency_ms.p99",
                                              "latency_ms.max", "phases_ms.dispatch.mean", "phases_ms.experts.mean"}
     assert parsed[0]["fields"]["calls"] == 50 and parsed[0]["fields"]["num_experts"] == 8
-    assert layers.headline_field(parsed) == "latency_ms.mean"
+    assert server_layers.headline_field(parsed) == "latency_ms.mean"
 
 
 @pytest.mark.parametrize("command,module", [("layer", "layer_bench"), ("ep", "ep_bench"), ("ep-scaling", "ep_scaling")])

@@ -313,10 +313,10 @@ def test_two_workloads_against_one_server_end_to_end(fake_server, tmp_path):
 
 
 def test_layers_plot_wraps_many_runs_into_rows():
-    from mok_serve.loadtest import layers, plots
+    from mok_serve.loadtest import plots, server_layers
     from mok_serve.loadtest.fake_server import fake_layers_document
 
-    parsed = {"available": True, "parsed": layers.parse_layers(fake_layers_document(100, 1.0, num_layers=12))}
+    parsed = {"available": True, "parsed": server_layers.parse_layers(fake_layers_document(100, 1.0, num_layers=12))}
     runs = [{"spec": {"name": f"512/256 c={2 ** i}", "rate": None, "concurrency": 2 ** i}, "layers": parsed}
             for i in range(5)]
     fig = plots.layers_figure({"targets": [{"name": "stock", "runs": runs}, {"name": "kittens", "runs": runs}]})

@@ -1,4 +1,4 @@
-"""Per-layer MoE timing from ``GET /v1/kittens/layers``, read without assuming its exact schema.
+"""The server's per-layer MoE stats (``GET /v1/kittens/layers``), parsed without assuming their schema.
 
 The endpoint (issue 5) returns JSON with a list of per-layer entries. This module finds that list
 (the first list of objects under ``layers`` or, failing that, anywhere in the document), names
