@@ -139,7 +139,8 @@ def workloads_of(args) -> list[Workload]:
     return [Workload(args.input_len, args.output_len, args.concurrency, args.request_rate)]
 
 
-def _name_value(text: str) -> tuple[str, str]:
+def name_value(text: str) -> tuple[str, str]:
+    """``NAME=VALUE`` -> ``(NAME, VALUE)``, the argparse type of ``--url`` (here and in ``invariance``)."""
     if "=" not in text:
         raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
     name, value = text.split("=", 1)
@@ -161,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g = s.add_argument_group("servers")
     g.add_argument(
-        "--url", action="append", type=_name_value, default=[], metavar="NAME=URL",
+        "--url", action="append", type=name_value, default=[], metavar="NAME=URL",
         help="target an already running server instead of starting any (repeat for each server, e.g. "
         "--url stock=http://127.0.0.1:8001 --url kittens=http://127.0.0.1:8002). Loopback hosts only; "
         "any other host is refused. The names label the report; 'stock' and 'kittens' set the ratio "
@@ -366,7 +367,8 @@ did not start or died (the report says what happened); 2 for bad arguments."""
 # --------------------------------------------------------------------------------------- serve
 
 
-def _environment() -> dict[str, Any]:
+def environment() -> dict[str, Any]:
+    """Machine, Python, commit, package versions and GPU of this process, for a results document."""
     env: dict[str, Any] = {
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
         "python": platform.python_version(),
@@ -722,7 +724,7 @@ def serve_main(args, argv: list[str]) -> int:
         "tool": "mok-loadtest serve",
         "started": datetime.datetime.now().isoformat(timespec="seconds"),
         "folder": str(folder),
-        "environment": _environment(),
+        "environment": environment(),
         "config": {
             "command": "mok-loadtest " + shlex.join(argv),
             "args": {k: v for k, v in vars(args).items() if k not in ("url", "workload")},

@@ -89,7 +89,7 @@ async def stream_completion(
             rec.http_status = resp.status
             if resp.status != 200:
                 body = (await resp.read())[:500].decode(errors="replace")
-                rec.error = f"HTTP {resp.status} {resp.reason}: {_error_message(body)}"
+                rec.error = f"HTTP {resp.status} {resp.reason}: {error_message(body)}"
                 return rec
             parser = SSEParser()
             done = False
@@ -100,7 +100,7 @@ async def stream_completion(
                         continue
                     obj = json.loads(data)
                     if obj.get("error"):
-                        raise StreamError(f"error in stream: {_error_message(json.dumps(obj['error']))}")
+                        raise StreamError(f"error in stream: {error_message(json.dumps(obj['error']))}")
                     if choices := obj.get("choices"):
                         now = time.perf_counter()
                         if not first:
@@ -141,7 +141,8 @@ class StreamError(RuntimeError):
     pass
 
 
-def _error_message(body: str) -> str:
+def error_message(body: str) -> str:
+    """The message of an error response body (OpenAI-style JSON or text), at most 200 characters."""
     try:
         obj = json.loads(body)
     except (json.JSONDecodeError, ValueError):

@@ -64,7 +64,7 @@ import numpy as np
 from mok_serve.server_process import ServerError, ServerProcess
 
 from . import client, workload
-from .cli import _environment, _name_value
+from .cli import environment, name_value
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 PROBE_PROMPT = "The mixture of experts layer routes each token to"
@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mok-loadtest invariance", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("servers")
-    g.add_argument("--url", action="append", type=_name_value, default=[], metavar="NAME=URL",
+    g.add_argument("--url", action="append", type=name_value, default=[], metavar="NAME=URL",
                    help="probe a running server instead of starting any (repeat per server, e.g. "
                    "--url stock=http://127.0.0.1:8001 --url kittens=http://127.0.0.1:8002); loopback only")
     g.add_argument("--backends", default="stock,kittens", metavar="LIST",
@@ -188,7 +188,7 @@ async def post_completion(session, url: str, payload: dict[str, Any], timeout: f
                                 timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             body = await resp.read()
             if resp.status != 200:
-                msg = client._error_message(body[:500].decode(errors="replace"))
+                msg = client.error_message(body[:500].decode(errors="replace"))
                 return None, f"HTTP {resp.status} {resp.reason}: {msg}", time.perf_counter() - t0
             return json.loads(body), None, time.perf_counter() - t0
     except asyncio.CancelledError:
@@ -584,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
         "tool": "mok-loadtest invariance",
         "started": datetime.datetime.now().isoformat(timespec="seconds"),
         "commit": git_commit(),
-        "environment": {**_environment(), "VLLM_BATCH_INVARIANT (this process)": os.environ.get("VLLM_BATCH_INVARIANT")},
+        "environment": {**environment(), "VLLM_BATCH_INVARIANT (this process)": os.environ.get("VLLM_BATCH_INVARIANT")},
         "config": {**{k: v for k, v in vars(args).items() if k != "url"}, "urls": dict(args.url), "model": model,
                    "command": "mok-loadtest invariance " + shlex.join(argv)},
         "targets": targets,
