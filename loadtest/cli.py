@@ -1,9 +1,9 @@
 """``mok-loadtest``: load tests for mok-serve.
 
     mok-loadtest serve [options]     kittens vs the stock MoE backend over HTTP (vLLM's OpenAI server)
-    mok-loadtest layer [options]     one-GPU MoE layer benchmark (mok_serve.loadtest.layer_bench)
-    mok-loadtest ep [options]        expert-parallel layer benchmark, a rank per GPU (ep_bench)
-    mok-loadtest ep-scaling R.json.. ep_bench runs of several EP degrees side by side (ep_scaling)
+    mok-loadtest layer [options]     one-GPU MoE layer benchmark (mok_serve.loadtest.bench.layer)
+    mok-loadtest ep [options]        expert-parallel layer benchmark, a rank per GPU (bench.ep)
+    mok-loadtest ep-scaling R.json.. ep_bench runs of several EP degrees side by side (bench.ep_scaling)
     mok-loadtest invariance [opts]   one greedy probe alone and in batches: distinct outputs per server
 
 ``mok-loadtest serve`` with no option starts a stock server (``mok-serve --moe-backend auto``) and
@@ -772,9 +772,9 @@ def serve_main(args, argv: list[str]) -> int:
 
 # Subcommands that hand their arguments to a benchmark module's own main(argv) and --help.
 FORWARDED = {
-    "layer": ("layer_bench", "one-GPU MoE layer benchmark"),
-    "ep": ("ep_bench", "expert-parallel layer benchmark, a rank per GPU"),
-    "ep-scaling": ("ep_scaling", "ep_bench runs of several EP degrees side by side"),
+    "layer": ("bench.layer", "one-GPU MoE layer benchmark"),
+    "ep": ("bench.ep", "expert-parallel layer benchmark, a rank per GPU"),
+    "ep-scaling": ("bench.ep_scaling", "ep_bench runs of several EP degrees side by side"),
     "invariance": ("invariance", "batch invariance at the server: one greedy probe alone and in batches"),
     "merge": ("merge", "one report from the results folders of separate serve runs (e.g. one per backend)"),
 }

@@ -1,4 +1,4 @@
-"""The TMA tile read probe of loadtest/l2_rates.py on a real GPU: its sums check every load, and
+"""The TMA tile read probe of loadtest/bench/l2_rates.py on a real GPU: its sums check every load, and
 tiles that stay in L2 stream faster than tiles read from HBM once."""
 
 import pytest
@@ -8,7 +8,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_l2_resident_tiles_stream_faster_than_hbm_and_a_mix_checks_every_load():
-    from mok_serve.loadtest.l2_rates import tile_read_rates
+    from mok_serve.loadtest.bench.l2_rates import tile_read_rates
 
     props = torch.cuda.get_device_properties(0)
     sms, hit_bytes = props.multi_processor_count, props.L2_cache_size // 3

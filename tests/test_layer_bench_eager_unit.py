@@ -11,7 +11,7 @@ import pathlib
 import pytest
 import torch
 
-from mok_serve.loadtest import layer_bench
+from mok_serve.loadtest.bench import layer as layer_bench
 
 OLD_RUN = pathlib.Path(layer_bench.RESULTS) / "layer_bench.json"
 OLD_FP8_RUN = pathlib.Path(layer_bench.RESULTS) / "layer_bench_fp8.json"

@@ -190,7 +190,7 @@ def test_layers_json_of_mok_serve_schema():
     assert server_layers.headline_field(parsed) == "latency_ms.mean"
 
 
-@pytest.mark.parametrize("command,module", [("layer", "layer_bench"), ("ep", "ep_bench"), ("ep-scaling", "ep_scaling")])
+@pytest.mark.parametrize("command,module", [("layer", "bench.layer"), ("ep", "bench.ep"), ("ep-scaling", "bench.ep_scaling")])
 def test_benchmark_subcommands_forward(monkeypatch, command, module):
     import sys
     import types
@@ -219,7 +219,7 @@ def test_random_text_prompts_reencode_to_exact_length():
 def test_layer_floor_counts_fp8_weight_bytes_and_rate():
     import torch
 
-    from mok_serve.loadtest.layer_bench import PEAK_BYTES, floor_of
+    from mok_serve.loadtest.bench.layer import PEAK_BYTES, floor_of
 
     ids = torch.tensor([[0, 1], [1, 2]])  # 3 experts touched
     bf16 = floor_of(2, 7168, 2048, 2, ids)
@@ -233,7 +233,7 @@ def test_layer_floor_counts_fp8_weight_bytes_and_rate():
 
 
 def test_layer_points_take_an_optional_routing():
-    from mok_serve.loadtest.layer_bench import parse_points
+    from mok_serve.loadtest.bench.layer import parse_points
 
     assert parse_points(["DeepSeek-V3:8192", "Qwen3-30B-A3B:2048:skewed", "odd:name:32:uniform", "odd:name:1"]) == [
         ("DeepSeek-V3", 8192, "uniform"), ("Qwen3-30B-A3B", 2048, "skewed"),
@@ -245,7 +245,7 @@ def test_layer_points_take_an_optional_routing():
 
 def test_decode_sweep_times_the_one_launch_default_against_two_launches():
     from mok_serve.kernels.cuda.moe import one_launch_decode
-    from mok_serve.loadtest.layer_bench import sweep_variants
+    from mok_serve.loadtest.bench.layer import sweep_variants
 
     for tokens in (1, 8, 128):  # DeepSeek-V3's decode regime
         variants = {label: (g1, g2) for label, g1, g2 in sweep_variants(tokens, 8, 256, 7168, 2048)}
@@ -259,7 +259,7 @@ def test_decode_sweep_times_the_one_launch_default_against_two_launches():
     (["--sweep", "--sweep-points", "DeepSeek-V3:8:hot"], "point 'DeepSeek-V3:8:hot': expected SHAPE:TOKENS"),
 ])
 def test_layer_bench_rejects_bad_points_before_gpu_work(capsys, argv, message):
-    from mok_serve.loadtest.layer_bench import main
+    from mok_serve.loadtest.bench.layer import main
 
     with pytest.raises(SystemExit) as exc:
         main(argv)
@@ -289,7 +289,7 @@ def test_clock_sampler_summarises_its_window():
 
 def test_layer_markdown_shows_the_clock_of_each_row(tmp_path):
     from mok_serve.loadtest.gpu_clocks import clock_text
-    from mok_serve.loadtest.layer_bench import write_markdown
+    from mok_serve.loadtest.bench.layer import write_markdown
 
     base = dict(shape="DeepSeek-V3", tokens=8192, routing="uniform", kittens_ms=12.6, floor_ms=7.31, bound="compute",
                 ratio_to_floor=1.72, torch_ms=18.2, transformers_ms=20.2, speedup_vs_torch=1.44,
@@ -309,7 +309,7 @@ def test_layer_markdown_shows_the_clock_of_each_row(tmp_path):
 def test_layer_markdown_says_by_how_much_each_missed_target_is_missed(tmp_path):
     import json
 
-    from mok_serve.loadtest.layer_bench import judge, main
+    from mok_serve.loadtest.bench.layer import judge, main
 
     def row(tokens, kittens_ms, floor_ms, bound, best_ms, flops, nbytes, mhz=1980.0):
         r = dict(shape="S", tokens=tokens, routing="uniform", kittens_ms=kittens_ms, floor_ms=floor_ms, bound=bound,
@@ -374,7 +374,7 @@ def _ep_run(world, rows, commit="abc1234"):
 def test_ep_scaling_matches_rows_across_world_sizes(tmp_path):
     import json
 
-    from mok_serve.loadtest import ep_scaling
+    from mok_serve.loadtest.bench import ep_scaling
 
     runs = {2: _ep_run(2, [("A", 1, "uniform", 0.5, 2.0), ("A", 128, "uniform", 1.0, 3.0)]),
             4: _ep_run(4, [("A", 1, "uniform", 0.25, 2.0), ("B", 32, "skewed", 1.0, 1.5)])}
@@ -395,7 +395,7 @@ def test_ep_scaling_matches_rows_across_world_sizes(tmp_path):
 def test_ep_bench_replot_writes_markdown_and_plot(tmp_path):
     import json
 
-    from mok_serve.loadtest import ep_bench
+    from mok_serve.loadtest.bench import ep as ep_bench
 
     src = tmp_path / "ep.json"
     src.write_text(json.dumps(_ep_run(2, [("A", 1, "uniform", 0.5, 2.0), ("A", 128, "skewed", 1.0, 3.0)])))
@@ -407,7 +407,7 @@ def test_ep_bench_replot_writes_markdown_and_plot(tmp_path):
 
 
 def test_ep_bench_says_by_how_much_each_missed_target_is_missed():
-    from mok_serve.loadtest import ep_bench
+    from mok_serve.loadtest.bench import ep as ep_bench
 
     run = _ep_run(2, [("A", 32, "uniform", 1.0, 1.5), ("A", 512, "skewed", 1.0, 3.0), ("A", 128, "uniform", 0.6, 3.0)])
     rows = run["rows"]
@@ -428,7 +428,7 @@ def test_ep_bench_says_by_how_much_each_missed_target_is_missed():
 
 
 def test_ep_bench_reports_the_slowest_ranks_clock():
-    from mok_serve.loadtest import ep_bench
+    from mok_serve.loadtest.bench import ep as ep_bench
 
     def rank_row(mhz):
         times = {n: [1.0, 1.1, 0.9] for n in ("kittens_pull", "kittens_push", "a2a", "agrs")}
@@ -446,7 +446,7 @@ def test_ep_bench_reports_the_slowest_ranks_clock():
 
 
 def test_ep_bench_serving_limit_table():
-    from mok_serve.loadtest import ep_bench
+    from mok_serve.loadtest.bench import ep as ep_bench
 
     run = _ep_run(2, [("A", 1, "uniform", 0.5, 2.0), ("A", 8192, "uniform", 4.0, 9.0)])
     run["meta"]["serving_limit"] = 8192
@@ -463,7 +463,7 @@ def test_decode_timeline_summary_finds_the_steady_rate_the_tail_and_the_waits():
     import torch
 
     from mok_serve.kernels.cuda.moe import TIMELINE_WORDS
-    from mok_serve.loadtest.layer_bench import timeline_summary
+    from mok_serve.loadtest.bench.layer import timeline_summary
 
     us = 1000  # records are in ns
     t0 = 5_000_000
@@ -492,7 +492,7 @@ def test_decode_timeline_summary_finds_the_steady_rate_the_tail_and_the_waits():
 def test_decode_item_bytes_come_from_each_records_columns():
     import torch
 
-    from mok_serve.loadtest.layer_bench import decode_item_bytes
+    from mok_serve.loadtest.bench.layer import decode_item_bytes
 
     # Two GEMM1 items (32 and 16 columns), then GEMM2 items of 64, 36 and 0 columns (no rows).
     records = torch.zeros(5, 5, dtype=torch.int64)
@@ -502,7 +502,7 @@ def test_decode_item_bytes_come_from_each_records_columns():
 
 
 def test_l2_rates_needs_a_gpu(capsys, monkeypatch):
-    from mok_serve.loadtest import l2_rates
+    from mok_serve.loadtest.bench import l2_rates
 
     monkeypatch.setattr(l2_rates.torch.cuda, "is_available", lambda: False)
     assert l2_rates.main([]) == 2

@@ -26,9 +26,9 @@ kittens time. Also the device time each kittens variant spends waiting for the C
 Kimi-K2 by default; results ``ep_bench_fp8.{json,md}``): kittens ``fused_moe_fp8`` on a
 ``quant="fp8"`` workspace (token rows cross NVLink as e4m3 + 1 x 128 group scales) against the same
 baselines on bf16 rows with the experts dequantized to bf16 inside the timed call
-(``layer_bench.dequantizer``; ``torch._scaled_grouped_mm`` takes row-wise scales only, not 128 x
+(``layer.dequantizer``; ``torch._scaled_grouped_mm`` takes row-wise scales only, not 128 x
 128 blocks). Floor with FP8 rates: FLOPs at the dense FP8 rate measured in the run
-(``layer_bench.fp8_rate``), 1-byte weights + block scales, pulled rows of H + 4 * H / 128 bytes.
+(``layer.fp8_rate``), 1-byte weights + block scales, pulled rows of H + 4 * H / 128 bytes.
 Error limit vs a2a 8e-2 (a2a keeps bf16 activations; kittens quantizes x and the activation).
 
 ``--serving-limit N``: a served model's workspace holds the most tokens of any step (vLLM's
@@ -41,7 +41,7 @@ workspace.
 Writes ``<out>.json``, ``<out>.md`` and ``<out>.png`` (time against tokens per rank, one panel per
 shape). ``--replot RESULT.json`` redraws the Markdown and the plot of an earlier run, no GPU needed.
 
-``python -m mok_serve.loadtest.ep_bench --shapes Qwen3-30B-A3B --tokens 1 128 --out results/ep``
+``python -m mok_serve.loadtest.bench.ep --shapes Qwen3-30B-A3B --tokens 1 128 --out results/ep``
 """
 
 from __future__ import annotations
@@ -60,20 +60,20 @@ import traceback
 
 import torch
 
-from . import history
-from .gpu_clocks import ClockSampler, clock_text
+from .. import history
+from ..gpu_clocks import ClockSampler, clock_text
 
 PEAK_FLOPS, PEAK_HBM, PEAK_NVLINK = 790e12, 4.4e12, 3.3e11
 TOKENS = (1, 32, 128, 512, 2048, 8192)
 ROUTINGS = ("uniform", "skewed")
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+RESULTS = pathlib.Path(__file__).resolve().parent.parent / "results"
 
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ[_k] = _v
 
 
 def load_shapes():
-    from .layer_bench import load_shapes as ls
+    from .layer import load_shapes as ls
 
     return ls()
 
@@ -289,7 +289,7 @@ def run_rank(rank, world, args):
     fp8 = args.fp8
     floor_kw = {}
     if fp8:
-        from .layer_bench import dequantizer, fp8_rate
+        from .layer import dequantizer, fp8_rate
 
         rate = torch.tensor([fp8_rate()], device="cuda", dtype=torch.float64)
         dist.broadcast(rate, 0, group=group)  # rank 0's measured dense FP8 rate for every floor
@@ -612,8 +612,8 @@ PLOT_SERIES = (  # (key of row["ms"] or of the row, label, color); kittens in bl
 
 
 def write_plot(rows, meta, path):
-    """Time against tokens per rank, one panel per shape (``layer_bench.plot_time_by_shape``)."""
-    from .layer_bench import plot_time_by_shape
+    """Time against tokens per rank, one panel per shape (``layer.plot_time_by_shape``)."""
+    from .layer import plot_time_by_shape
 
     series = [(label, color, lambda r, key=key: r["ms"].get(key, r.get(key))) for key, label, color in PLOT_SERIES]
     plot_time_by_shape([r for r in rows if "error" not in r], series, path, xlabel="tokens per rank",

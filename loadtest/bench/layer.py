@@ -67,15 +67,15 @@ import time
 import torch
 import torch.nn.functional as F
 
-from . import history, provenance
-from .gpu_clocks import ClockSampler, clock_text
+from .. import history, provenance
+from ..gpu_clocks import ClockSampler, clock_text
 from .l2_rates import l2_read_bandwidth
 
 PEAK_FLOPS = 790e12
 PEAK_BYTES = 4.4e12
 TOKENS = (1, 8, 32, 128, 512, 2048, 8192)
 ROUTINGS = ("uniform", "skewed")
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+RESULTS = pathlib.Path(__file__).resolve().parent.parent / "results"
 # Relative error norm against the reference within which an output is right: bf16 experts, and FP8
 # experts (whose activation quantization adds its own rounding). NaN never passes (``passes``).
 TOL_BF16 = 1e-2
@@ -1161,7 +1161,7 @@ def _misses_markdown(meta, rows) -> list[str]:
             "kernels/cuda/moe.py: each row tile loads its expert's weight columns whole and its own rows once "
             "per column tile) over the time the target asks for, against the rate at which TMA tiles stream from "
             f"L2 alone (every load a hit) into the SMs, measured in this run: {l2:.2f} TB/s; a pipeline that "
-            "mixes hits with tiles streamed from HBM gets less of both (`loadtest/l2_rates.py`; "
+            "mixes hits with tiles streamed from HBM gets less of both (`loadtest/bench/l2_rates.py`; "
             "loadtest/JOURNAL.md#l2-and-the-hbm-stream)." if l2 else "") + (
             " The L2 flush before each replay zeroes 256 MiB, so each replay starts with the L2 full of dirty "
             "lines whose write-back (up to ~50 MB) falls inside it: at 1 token that costs kittens ~8 us and the "
@@ -1221,7 +1221,7 @@ def write_markdown_fp8(meta, rows, path):
 def plot_time_by_shape(rows, series, path, *, xlabel, ylabel, title=None):
     """Time (log) against tokens (log), one panel per shape, uniform routing solid and skewed dashed;
     ``series`` is ``(label, color, value)`` with ``value(row)`` a time or None where the row has none.
-    Shared by this benchmark's plot and ``ep_bench``'s."""
+    Shared by this benchmark's plot and ``ep``'s."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,13 +1,13 @@
 """Where the time of one kittens expert-parallel call goes: device time per kernel, per rank.
 
-Spawns one process per GPU with ``ep_bench.run_on_ranks`` (same shapes, inputs and workspace), runs the
+Spawns one process per GPU with ``ep.run_on_ranks`` (same shapes, inputs and workspace), runs the
 kittens EP call eagerly under ``torch.profiler`` (CUDA activity) and prints, for each rank,
 each kernel's mean device time per call next to the call's time as a CUDA-graph replay (median
 of CUDA-event timings). The graph time minus the kernels' sum is what launches, flag round trips
 and waiting cost. This is the profile evidence behind the EP notes
 (``loadtest/JOURNAL.md#where-the-time-goes-7f0d0a8-2026-11-30``).
 
-``python -m mok_serve.loadtest.ep_profile --shape Qwen3-30B-A3B --tokens 128 512``
+``python -m mok_serve.loadtest.bench.ep_profile --shape Qwen3-30B-A3B --tokens 128 512``
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections import defaultdict
 
 import torch
 
-from .ep_bench import as_graph, load_shapes, make_experts, run_on_ranks
+from .ep import as_graph, load_shapes, make_experts, run_on_ranks
 
 
 def profile_rank(rank, world, args):

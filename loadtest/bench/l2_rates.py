@@ -6,7 +6,7 @@ hit. ``tile_read_rates`` times a kernel that loads [rows, 64] bf16 tiles by TMA,
 GEMMs' tiles are (``stages - 1`` steps in flight), from two buffers at once: ``hits`` tiles per
 step from one that fits in L2 (it stays there between calls) and ``streamed`` tiles per step from
 one of 4 GiB, each of its tiles loaded once. The layer benchmark compares what each missed target
-asks of L2 with ``l2_read_bandwidth``; ``python -m mok_serve.loadtest.l2_rates`` prints the HBM
+asks of L2 with ``l2_read_bandwidth``; ``python -m mok_serve.loadtest.bench.l2_rates`` prints the HBM
 stream's rate by bytes in flight per SM, and hits and stream together.
 """
 
@@ -100,7 +100,7 @@ SMEM_PER_SM = 227 * 1024
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mok_serve.loadtest.l2_rates", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m mok_serve.loadtest.bench.l2_rates", description=__doc__.split("\n")[0])
     p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)

@@ -11,7 +11,7 @@ kittens at each world size; and ``<out>.png``: per shape, kittens' time against 
 (top) and its speedup over the best baseline (bottom), one line per tokens per rank, uniform
 routing solid and skewed dashed.
 
-``python -m mok_serve.loadtest.ep_scaling results/ep_bench_w2.json results/ep_bench_w4.json
+``python -m mok_serve.loadtest.bench.ep_scaling results/ep_bench_w2.json results/ep_bench_w4.json
 results/ep_bench_w8.json --out results/ep_scaling``
 """
 

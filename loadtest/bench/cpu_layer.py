@@ -24,7 +24,7 @@ is the undisturbed cost, the median what a call met; the load average is recorde
 
 Results: ``<out>/<name>.csv`` (long format: shape, tokens, threads, backend, median_us, min_us,
 commit, cpu) and ``<out>/<name>.md`` (tables, kittens/stock ratios, the <= 1.2x target at 1-64
-tokens). ``main(argv)`` is the entry point: ``python -m mok_serve.loadtest.cpu_layer_bench --help``.
+tokens). ``main(argv)`` is the entry point: ``python -m mok_serve.loadtest.bench.cpu_layer --help``.
 
 ``--server``: the whole server instead, per family: ``mok-serve`` (kittens) and ``mok-serve
 --moe-backend auto`` (stock) started one at a time with vLLM's CPU setup, a few warm-up requests,
@@ -50,9 +50,9 @@ from pathlib import Path
 
 import torch
 
-from . import history
+from .. import history
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).parent.parent / "results"
 FAMILIES = ("qwen3_moe", "deepseek_v3", "glm4_moe")
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 TARGET_TOKENS = (1, 2, 4, 8, 16, 32, 64)
@@ -91,11 +91,11 @@ def cpu_description() -> tuple[str, str]:
 
 
 def commit() -> str:
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "kernels", "loadtest/cpu_layer_bench.py"],
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "kernels", "loadtest/bench/cpu_layer.py"],
                                cwd=root, capture_output=True, text=True).stdout.strip()
         return rev + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
@@ -345,7 +345,7 @@ def server_main(args, shapes: list[str], rev: str, model: str, flags: str) -> in
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mok_serve.loadtest.cpu_layer_bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m mok_serve.loadtest.bench.cpu_layer", description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default=",".join(FAMILIES), help="tiny model families (mok_serve.tiny_models)")
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     p.add_argument("--threads", default=",".join(map(str, THREADS)))
