@@ -11,10 +11,10 @@ import pathlib
 import pytest
 import torch
 
-from mok_serve.loadtest.bench import layer as layer_bench
+from mok_serve.loadtest.bench import harness, layer, report
 
-OLD_RUN = pathlib.Path(layer_bench.RESULTS) / "layer_bench.json"
-OLD_FP8_RUN = pathlib.Path(layer_bench.RESULTS) / "layer_bench_fp8.json"
+OLD_RUN = pathlib.Path(layer.RESULTS) / "layer_bench.json"
+OLD_FP8_RUN = pathlib.Path(layer.RESULTS) / "layer_bench_fp8.json"
 OLD_HEADER = ("| shape | tokens | routing | kittens ms | floor ms | bound | x floor | SM clock | torch ms | "
               "transformers ms | vs torch | vs transformers | target | met |")
 
@@ -22,7 +22,7 @@ OLD_HEADER = ("| shape | tokens | routing | kittens ms | floor ms | bound | x fl
 def test_an_older_run_replots_without_the_vllm_section(tmp_path):
     data = json.loads(OLD_RUN.read_text())
     assert not any("vllm_ms" in r for r in data["rows"])
-    layer_bench.write_markdown(data["meta"], data["rows"], tmp_path / "old.md")
+    report.write_markdown(data["meta"], data["rows"], tmp_path / "old.md")
     text = (tmp_path / "old.md").read_text()
     assert "Targets met:" in text and "vLLM's Triton fused_experts" not in text
 
@@ -35,7 +35,7 @@ def test_vllm_and_eager_columns_and_the_eager_target(tmp_path):
                  kittens_eager_ms=r["kittens_ms"] + k_eager, vllm_eager_ms=2 * r["kittens_ms"] + v_eager)
         r["eager_extra_ms"] = {"kittens": k_eager, "vllm": v_eager}
         r["eager_target_met"] = k_eager <= v_eager
-    layer_bench.write_markdown(data["meta"], rows, tmp_path / "new.md")
+    report.write_markdown(data["meta"], rows, tmp_path / "new.md")
     text = (tmp_path / "new.md").read_text()
     assert "## Against vLLM's Triton fused_experts, replayed and eager" in text
     assert "Eager target met: 1 / 2 rows; kittens faster than vLLM replayed in 2 / 2." in text
@@ -47,15 +47,15 @@ def test_vllm_and_eager_columns_and_the_eager_target(tmp_path):
 
 def test_the_best_baseline_includes_vllm_where_measured():
     row = {"tokens": 8, "torch_ms": 1.0, "transformers_ms": 2.0}
-    assert layer_bench.target_ms(row) == 0.5
-    assert layer_bench.target_ms({**row, "vllm_ms": 0.4}) == 0.2
+    assert report.target_ms(row) == 0.5
+    assert report.target_ms({**row, "vllm_ms": 0.4}) == 0.2
 
 
 # ---------------------------------------------------------------------------- eager target
 
 
 def test_eager_target_is_kittens_extra_no_larger_than_vllms():
-    judge = layer_bench.eager_target
+    judge = report.eager_target
     assert judge({"eager_extra_ms": {"kittens": 0.010, "vllm": 0.020}}) is True
     assert judge({"eager_extra_ms": {"kittens": 0.020, "vllm": 0.020}}) is True  # "no larger": ties meet it
     assert judge({"eager_extra_ms": {"kittens": 0.021, "vllm": 0.020}}) is False
@@ -64,10 +64,10 @@ def test_eager_target_is_kittens_extra_no_larger_than_vllms():
 
 
 def test_eager_calls_fill_the_budget_within_bounds():
-    assert layer_bench.eager_call_count(0.2, budget_ms=60.0, calls=(10, 500)) == 300  # decode: several hundred
-    assert layer_bench.eager_call_count(0.05, budget_ms=60.0, calls=(10, 500)) == 500  # bounded above
-    assert layer_bench.eager_call_count(13.0, budget_ms=60.0, calls=(10, 500)) == 10  # 8192 tokens: at least 10
-    assert layer_bench.eager_call_count(0.0) == layer_bench.EAGER_CALLS[1]
+    assert harness.eager_call_count(0.2, budget_ms=60.0, calls=(10, 500)) == 300  # decode: several hundred
+    assert harness.eager_call_count(0.05, budget_ms=60.0, calls=(10, 500)) == 500  # bounded above
+    assert harness.eager_call_count(13.0, budget_ms=60.0, calls=(10, 500)) == 10  # 8192 tokens: at least 10
+    assert harness.eager_call_count(0.0) == harness.EAGER_CALLS[1]
 
 
 def _times():
@@ -82,7 +82,7 @@ CFG = dict(file="E=8,N=16,device_name=NVIDIA_H200.json", shipped=False, source="
 def test_row_fields_with_vllm_right_wrong_and_absent():
     errs = {"kittens": 0.0, "torch": 4e-3, "transformers": 4e-3, "vllm": 4e-3}
     eager, calls = {"kittens": 1.030, "vllm": 1.520}, {"kittens": 300, "vllm": 250}
-    got = layer_bench.vllm_and_eager_fields(_times(), errs, eager, calls, layer_bench.TOL_BF16, CFG)
+    got = report.vllm_and_eager_fields(_times(), errs, eager, calls, harness.TOL_BF16, CFG)
     assert got["vllm_ms"] == 1.5 and got["speedup_vs_vllm"] == 1.5 and got["vllm_correct"] is True
     assert got["vllm_config"] == CFG and got["vllm_configs"] == CFG["text"]
     assert got["kittens_eager_ms"] == 1.030 and got["vllm_eager_ms"] == 1.520 and got["eager_calls"] == calls
@@ -92,13 +92,13 @@ def test_row_fields_with_vllm_right_wrong_and_absent():
     # vLLM's output failed its check: it was not timed (no "vllm" in times or eager), nothing judged.
     wrong = {**errs, "vllm": float("nan")}
     times = {k: v for k, v in _times().items() if k != "vllm"}
-    got = layer_bench.vllm_and_eager_fields(times, wrong, {"kittens": 1.03}, {"kittens": 300}, layer_bench.TOL_BF16,
+    got = report.vllm_and_eager_fields(times, wrong, {"kittens": 1.03}, {"kittens": 300}, harness.TOL_BF16,
                                             CFG, "RuntimeError: boom")
     assert got["vllm_correct"] is False and got["vllm_error"] == "RuntimeError: boom"
     assert "vllm_ms" not in got and "speedup_vs_vllm" not in got and got["eager_target_met"] is None
 
     # No vLLM at all: only kittens' eager fields, no vLLM fields (rows then read like a run without it).
-    got = layer_bench.vllm_and_eager_fields(times, errs, {"kittens": 1.03}, {"kittens": 300}, layer_bench.TOL_BF16, None)
+    got = report.vllm_and_eager_fields(times, errs, {"kittens": 1.03}, {"kittens": 300}, harness.TOL_BF16, None)
     assert not any(k.startswith("vllm") for k in got) and got["eager_target_met"] is None
     assert got["eager_extra_ms"] == pytest.approx({"kittens": 0.030})
 
@@ -114,11 +114,11 @@ def test_vllm_is_timed_only_if_its_output_passes():
     }
     for name, (fn, kept, error) in cases.items():
         impls, errs = {"kittens": lambda: ref, "vllm": fn}, {"kittens": 0.0}
-        assert layer_bench.check_vllm(impls, errs, ref, layer_bench.TOL_BF16) == error, name
+        assert harness.check_vllm(impls, errs, ref, harness.TOL_BF16) == error, name
         assert ("vllm" in impls) is kept, name
         assert "kittens" in impls
-    assert not layer_bench.passes(float("nan"), 1.0) and not layer_bench.passes(math.inf, 1.0)
-    assert layer_bench.passes(1e-2, layer_bench.TOL_BF16) and not layer_bench.passes(1.01e-2, layer_bench.TOL_BF16)
+    assert not harness.passes(float("nan"), 1.0) and not harness.passes(math.inf, 1.0)
+    assert harness.passes(1e-2, harness.TOL_BF16) and not harness.passes(1.01e-2, harness.TOL_BF16)
 
 
 # ---------------------------------------------------------------------------- reports
@@ -140,7 +140,7 @@ def _new_rows(base_rows):
             times["vllm"] = vllm * r["kittens_ms"]
             eager["vllm"] = times["vllm"] + v_extra
         r["rel_err"] = errs
-        r.update(layer_bench.vllm_and_eager_fields(times, errs, eager, {k: 100 for k in eager}, layer_bench.TOL_BF16, CFG))
+        r.update(report.vllm_and_eager_fields(times, errs, eager, {k: 100 for k in eager}, harness.TOL_BF16, CFG))
         rows.append(r)
     return rows
 
@@ -150,7 +150,7 @@ def test_a_new_run_replots_with_the_vllm_section(tmp_path):
     meta = {**data["meta"], "vllm": "0.32.0", "eager_timing": "one call from Python (test)",
             "vllm_config_files": {"DeepSeek-V3": {k: v for k, v in CFG.items() if k != "config"}}}
     (tmp_path / "new.json").write_text(json.dumps(dict(meta=meta, rows=_new_rows(data["rows"]))))
-    assert layer_bench.main(["--replot", str(tmp_path / "new.json")]) == 0
+    assert layer.main(["--replot", str(tmp_path / "new.json")]) == 0
     text = (tmp_path / "new.md").read_text()
     assert OLD_HEADER in text  # the main table as before
     section = text.split("## Against vLLM's Triton fused_experts, replayed and eager")[1].split("\n## ")[0]
@@ -171,10 +171,10 @@ def test_a_run_without_vllm_says_the_column_is_absent(tmp_path):
     rows = copy.deepcopy(data["rows"][:2])
     for r in rows:
         times = {"kittens": r["kittens_ms"], "torch": r["torch_ms"], "transformers": r["transformers_ms"]}
-        r.update(layer_bench.vllm_and_eager_fields(times, r["rel_err"], {"kittens": r["kittens_ms"] + 0.02},
-                                                   {"kittens": 300}, layer_bench.TOL_BF16, None))
+        r.update(report.vllm_and_eager_fields(times, r["rel_err"], {"kittens": r["kittens_ms"] + 0.02},
+                                              {"kittens": 300}, harness.TOL_BF16, None))
     meta = {**data["meta"], "eager_timing": "t", "vllm_absent": "ModuleNotFoundError: No module named 'vllm'"}
-    layer_bench.write_markdown(meta, rows, tmp_path / "t.md")
+    report.write_markdown(meta, rows, tmp_path / "t.md")
     text = (tmp_path / "t.md").read_text()
     assert "vLLM's fused_experts was not measured in this run (vLLM did not import: ModuleNotFoundError" in text
     assert "Eager target not judged: no vLLM eager times." in text
@@ -186,7 +186,7 @@ def test_a_run_without_vllm_says_the_column_is_absent(tmp_path):
 def test_fp8_reports_old_and_new(tmp_path):
     data = json.loads(OLD_FP8_RUN.read_text())
     (tmp_path / "old.json").write_text(json.dumps(data))
-    assert layer_bench.main(["--replot", str(tmp_path / "old.json")]) == 0
+    assert layer.main(["--replot", str(tmp_path / "old.json")]) == 0
     old = (tmp_path / "old.md").read_text()
     assert "## Against vLLM" not in old and "vLLM" not in old  # an older FP8 run: as it was written
     rows = copy.deepcopy(data["rows"][:1])
@@ -194,10 +194,10 @@ def test_fp8_reports_old_and_new(tmp_path):
     times = {"kittens": r["kittens_ms"], "dequant_torch": r["dequant_torch_ms"], "vllm": 1.25 * r["kittens_ms"]}
     errs = {**r["rel_err"], "vllm": 2.5e-2}  # within FP8's 3e-2, beyond bf16's 1e-2
     eager = {"kittens": r["kittens_ms"] + 0.01, "vllm": times["vllm"] + 0.02}
-    r.update(layer_bench.vllm_and_eager_fields(times, errs, eager, {"kittens": 9, "vllm": 9}, layer_bench.TOL_FP8, CFG))
+    r.update(report.vllm_and_eager_fields(times, errs, eager, {"kittens": 9, "vllm": 9}, harness.TOL_FP8, CFG))
     assert r["vllm_correct"] and r["speedup_vs_vllm"] == pytest.approx(1.25)
     meta = {**data["meta"], "eager_timing": "t"}
-    layer_bench.write_markdown_fp8(meta, rows, tmp_path / "new.md")
+    report.write_markdown_fp8(meta, rows, tmp_path / "new.md")
     text = (tmp_path / "new.md").read_text()
     assert "speedup is against the row's fastest baseline" in text and "(relative error <= 0.03" in text
     assert "Eager target met: 1 / 1 rows" in text
@@ -227,10 +227,10 @@ SHIPPED = {"Qwen3-30B-A3B"}
 @pytest.mark.parametrize("fp8", [False, True])
 def test_the_file_vllm_looks_up_for_each_shape_on_an_h200(vllm_on_h200, fp8):
     fm = vllm_on_h200
-    for name, s in layer_bench.load_shapes().items():
+    for name, s in harness.load_shapes().items():
         E, H, I, K = s["routed_experts"], s["hidden"], s["moe_intermediate"], s["top_k"]
         want = f"E={E},N={I},device_name=NVIDIA_H200" + (",dtype=fp8_w8a8,block_shape=[128,128]" if fp8 else "") + ".json"
-        got = layer_bench.vllm_config(fm, E, H, I, K, 8, fp8=fp8)
+        got = harness.vllm_config(fm, E, H, I, K, 8, fp8=fp8)
         assert got["file"] == want, name
         assert got["shipped"] is (name in SHIPPED), name
         assert got["source"] == ("shipped file" if name in SHIPPED else "defaults"), name
@@ -249,12 +249,12 @@ def test_an_h200_variant_looks_up_the_h200_file_and_a_user_folder_comes_first(vl
     fm = vllm_on_h200
     monkeypatch.setattr(fm, "get_device_name_as_file_name", lambda device_id=0: "NVIDIA_H200_NVL")
     name = "E=256,N=2048,device_name=NVIDIA_H200.json"
-    assert layer_bench.vllm_config_file(fm, 256, 2048)["file"] == name
+    assert harness.vllm_config_file(fm, 256, 2048)["file"] == name
     tuned = {"1": dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=256, GROUP_SIZE_M=1, num_warps=4, num_stages=5)}
     (tmp_path / name).write_text(json.dumps(tuned))
     monkeypatch.setenv("VLLM_TUNED_CONFIG_FOLDER", str(tmp_path))
     fm.get_moe_configs.cache_clear()
-    got = layer_bench.vllm_config(fm, 256, 7168, 2048, 8, 1)
+    got = harness.vllm_config(fm, 256, 7168, 2048, 8, 1)
     assert got["source"] == "user file" and got["shipped"] is False and got["config"] == tuned["1"]
 
 
@@ -273,13 +273,13 @@ def test_vllm_gets_kittens_fp8_weights_and_scales_unchanged():
     w13q, w13s = quantize_fp8_blocks(torch.randn(2, 256, 128))
     w2q, w2s = quantize_fp8_blocks(torch.randn(2, 128, 128))
     x, tw, ids = torch.randn(3, 128, dtype=torch.bfloat16), torch.rand(3, 2), torch.zeros(3, 2, dtype=torch.int32)
-    layer_bench.vllm_experts(FakeVllm, w13q, w2q, w13s, w2s)(x, tw, ids)
+    harness.vllm_experts(FakeVllm, w13q, w2q, w13s, w2s)(x, tw, ids)
     (args, kwargs), = calls
     assert args[0] is x and args[1] is w13q and args[2] is w2q and args[3] is tw and args[4] is ids
     quant = kwargs["quant_config"]
     assert quant.use_fp8_w8a8 and quant.block_shape == [128, 128] and not quant.per_act_token_quant
     assert quant.w1_scale is w13s and quant.w2_scale is w2s
-    layer_bench.vllm_experts(FakeVllm, w13q, w2q)(x, tw, ids)  # bf16 weights: vLLM's unquantized config
+    harness.vllm_experts(FakeVllm, w13q, w2q)(x, tw, ids)  # bf16 weights: vLLM's unquantized config
     assert calls[1][1]["quant_config"] is None
 
     # vLLM's own block quantizer gives the scales kittens' does and both reconstruct w as q * scale,

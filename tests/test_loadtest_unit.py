@@ -219,7 +219,7 @@ def test_random_text_prompts_reencode_to_exact_length():
 def test_layer_floor_counts_fp8_weight_bytes_and_rate():
     import torch
 
-    from mok_serve.loadtest.bench.layer import PEAK_BYTES, floor_of
+    from mok_serve.loadtest.bench.harness import PEAK_BYTES, floor_of
 
     ids = torch.tensor([[0, 1], [1, 2]])  # 3 experts touched
     bf16 = floor_of(2, 7168, 2048, 2, ids)
@@ -289,7 +289,7 @@ def test_clock_sampler_summarises_its_window():
 
 def test_layer_markdown_shows_the_clock_of_each_row(tmp_path):
     from mok_serve.loadtest.gpu_clocks import clock_text
-    from mok_serve.loadtest.bench.layer import write_markdown
+    from mok_serve.loadtest.bench.report import write_markdown
 
     base = dict(shape="DeepSeek-V3", tokens=8192, routing="uniform", kittens_ms=12.6, floor_ms=7.31, bound="compute",
                 ratio_to_floor=1.72, torch_ms=18.2, transformers_ms=20.2, speedup_vs_torch=1.44,
@@ -309,7 +309,8 @@ def test_layer_markdown_shows_the_clock_of_each_row(tmp_path):
 def test_layer_markdown_says_by_how_much_each_missed_target_is_missed(tmp_path):
     import json
 
-    from mok_serve.loadtest.bench.layer import judge, main
+    from mok_serve.loadtest.bench.layer import main
+    from mok_serve.loadtest.bench.report import judge
 
     def row(tokens, kittens_ms, floor_ms, bound, best_ms, flops, nbytes, mhz=1980.0):
         r = dict(shape="S", tokens=tokens, routing="uniform", kittens_ms=kittens_ms, floor_ms=floor_ms, bound=bound,

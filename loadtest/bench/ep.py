@@ -26,9 +26,9 @@ kittens time. Also the device time each kittens variant spends waiting for the C
 Kimi-K2 by default; results ``ep_bench_fp8.{json,md}``): kittens ``fused_moe_fp8`` on a
 ``quant="fp8"`` workspace (token rows cross NVLink as e4m3 + 1 x 128 group scales) against the same
 baselines on bf16 rows with the experts dequantized to bf16 inside the timed call
-(``layer.dequantizer``; ``torch._scaled_grouped_mm`` takes row-wise scales only, not 128 x
+(``harness.dequantizer``; ``torch._scaled_grouped_mm`` takes row-wise scales only, not 128 x
 128 blocks). Floor with FP8 rates: FLOPs at the dense FP8 rate measured in the run
-(``layer.fp8_rate``), 1-byte weights + block scales, pulled rows of H + 4 * H / 128 bytes.
+(``harness.fp8_rate``), 1-byte weights + block scales, pulled rows of H + 4 * H / 128 bytes.
 Error limit vs a2a 8e-2 (a2a keeps bf16 activations; kittens quantizes x and the activation).
 
 ``--serving-limit N``: a served model's workspace holds the most tokens of any step (vLLM's
@@ -62,6 +62,7 @@ import torch
 
 from .. import history
 from ..gpu_clocks import ClockSampler, clock_text
+from .harness import load_shapes
 
 PEAK_FLOPS, PEAK_HBM, PEAK_NVLINK = 790e12, 4.4e12, 3.3e11
 TOKENS = (1, 32, 128, 512, 2048, 8192)
@@ -70,12 +71,6 @@ RESULTS = pathlib.Path(__file__).resolve().parent.parent / "results"
 
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ[_k] = _v
-
-
-def load_shapes():
-    from .layer import load_shapes as ls
-
-    return ls()
 
 
 # ---------------------------------------------------------------------------------- baselines
@@ -289,7 +284,7 @@ def run_rank(rank, world, args):
     fp8 = args.fp8
     floor_kw = {}
     if fp8:
-        from .layer import dequantizer, fp8_rate
+        from .harness import dequantizer, fp8_rate
 
         rate = torch.tensor([fp8_rate()], device="cuda", dtype=torch.float64)
         dist.broadcast(rate, 0, group=group)  # rank 0's measured dense FP8 rate for every floor
@@ -612,8 +607,8 @@ PLOT_SERIES = (  # (key of row["ms"] or of the row, label, color); kittens in bl
 
 
 def write_plot(rows, meta, path):
-    """Time against tokens per rank, one panel per shape (``layer.plot_time_by_shape``)."""
-    from .layer import plot_time_by_shape
+    """Time against tokens per rank, one panel per shape (``report.plot_time_by_shape``)."""
+    from .report import plot_time_by_shape
 
     series = [(label, color, lambda r, key=key: r["ms"].get(key, r.get(key))) for key, label, color in PLOT_SERIES]
     plot_time_by_shape([r for r in rows if "error" not in r], series, path, xlabel="tokens per rank",

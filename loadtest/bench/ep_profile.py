@@ -19,7 +19,8 @@ from collections import defaultdict
 
 import torch
 
-from .ep import as_graph, load_shapes, make_experts, run_on_ranks
+from .ep import as_graph, make_experts, run_on_ranks
+from .harness import load_shapes
 
 
 def profile_rank(rank, world, args):

@@ -48,6 +48,10 @@ RESULT.json`` rewrites an earlier run's Markdown and plot from its JSON (no GPU;
 before the vLLM and eager columns replot without them). ``--l2-flush read`` empties the L2
 before each timed replay and eager call by a read instead of do_bench's write, whose dirty
 lines are written back inside the replay (``L2_FLUSHES``).
+
+This module holds the runs (``bench_rows``, ``bench_rows_fp8``), the sweeps, profiles, timelines
+and the command line; shapes, inputs, baselines, timing and the correctness check are in
+``harness``, the judging, Markdown and plots in ``report``.
 """
 
 from __future__ import annotations
@@ -55,9 +59,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import importlib.resources
 import json
-import math
 import pathlib
 import platform
 import statistics
@@ -65,36 +67,20 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 from .. import history, provenance
 from ..gpu_clocks import ClockSampler, clock_text
+from .harness import (
+    EAGER_BUDGET_MS, EAGER_CALLS, EAGER_IMPLS, L2_FLUSHES, PEAK_BYTES, PEAK_FLOPS, ROUTINGS, TOL_BF16, TOL_FP8,
+    check_vllm, dequantized_pipeline, eager_times, floor_of, fp8_rate, graph_time, load_shapes, load_vllm_moe,
+    make_routing, passes, random_experts, random_fp8_weights, read_bandwidth, rel_err, set_l2_flush, time_impls,
+    torch_pipeline, transformers_experts, vllm_config, vllm_config_file, vllm_experts,
+)
 from .l2_rates import l2_read_bandwidth
+from .report import judge, vllm_and_eager_fields, write_markdown, write_markdown_fp8, write_plot
 
-PEAK_FLOPS = 790e12
-PEAK_BYTES = 4.4e12
 TOKENS = (1, 8, 32, 128, 512, 2048, 8192)
-ROUTINGS = ("uniform", "skewed")
 RESULTS = pathlib.Path(__file__).resolve().parent.parent / "results"
-# Relative error norm against the reference within which an output is right: bf16 experts, and FP8
-# experts (whose activation quantization adds its own rounding). NaN never passes (``passes``).
-TOL_BF16 = 1e-2
-TOL_FP8 = 3e-2
-
-
-def load_shapes() -> dict:
-    text = importlib.resources.files("mok_serve.configs").joinpath("model_shapes.json").read_text()
-    return {k: v for k, v in json.loads(text).items() if not k.startswith("_")}
-
-
-# ---------------------------------------------------------------------------------- inputs
-
-
-def random_experts(E, H, I, gen):
-    """bf16 expert weights ``(w13 [E, 2I, H], w2 [E, H, I])``, unit-variance outputs, drawn from ``gen``."""
-    w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen) / H**0.5
-    w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=gen) / I**0.5
-    return w13, w2
 
 
 def parse_points(points):
@@ -112,350 +98,7 @@ def parse_points(points):
     return out
 
 
-def make_routing(tokens, experts, top_k, routing, gen, device="cuda"):
-    ids = torch.rand(tokens, experts, device=device, generator=gen).argsort(dim=1)[:, :top_k]
-    if routing == "skewed":
-        flat = ids.reshape(-1)
-        pick = torch.randperm(flat.numel(), device=device, generator=gen)[: flat.numel() // 2]
-        flat[pick] = 0
-    w = torch.rand(tokens, top_k, device=device, generator=gen)
-    return (w / w.sum(-1, keepdim=True)), ids.to(torch.int32)
-
-
-def floor_of(tokens, hidden, inter, top_k, ids, weight_bytes_per_elem=2.0, peak_flops=PEAK_FLOPS):
-    rows = tokens * top_k
-    flops = 6.0 * rows * hidden * inter
-    touched = int(torch.unique(ids).numel())
-    weight_bytes = touched * 3 * hidden * inter * weight_bytes_per_elem
-    act_bytes = 2 * tokens * hidden * 2 + ids.numel() * 8
-    nbytes = weight_bytes + act_bytes
-    t_flop, t_byte = flops / peak_flops, nbytes / PEAK_BYTES
-    return dict(flops=flops, bytes=nbytes, touched=touched, floor_ms=max(t_flop, t_byte) * 1e3,
-                bound="weights" if t_byte >= t_flop else "compute")
-
-
-# ---------------------------------------------------------------------------------- baselines
-
-
-def torch_pipeline(x, w13, w2, tw, ids):
-    """argsort, gather, grouped_mm, SiLU-mul, grouped_mm, weighted scatter-add (no host sync)."""
-    tokens, top_k = ids.shape
-    num_experts = w13.shape[0]
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat)
-    # histc, not bincount: bincount sizes its output from the data (a host sync, not capturable).
-    hist_in = flat.int() if flat.is_cuda else flat.float()
-    counts = torch.histc(hist_in, bins=num_experts, min=0, max=num_experts - 1)
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    tok = order // top_k
-    gu = torch._grouped_mm(x[tok], w13.transpose(1, 2), offs=offs)
-    gate, up = gu.chunk(2, dim=-1)
-    act = F.silu(gate) * up
-    y = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)
-    y = y.float() * tw.reshape(-1)[order].float().unsqueeze(1)
-    out = torch.zeros(tokens, x.shape[1], device=x.device, dtype=torch.float32)
-    out.index_add_(0, tok, y)
-    return out.to(x.dtype)
-
-
-def transformers_experts(w13, w2):
-    """transformers' Qwen3-MoE experts module with the grouped_mm implementation, on our weights."""
-    from transformers import Qwen3MoeConfig
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
-
-    E, two_i, H = w13.shape
-    cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=two_i // 2, num_experts=E, hidden_act="silu")
-    cfg._experts_implementation = "grouped_mm"
-    with torch.device("meta"):
-        mod = Qwen3MoeExperts(cfg)
-    mod.gate_up_proj = torch.nn.Parameter(w13, requires_grad=False)
-    mod.down_proj = torch.nn.Parameter(w2, requires_grad=False)
-    return mod.eval()
-
-
-def dequantizer(w13q, w13s, w2q, w2s, chunk=16):
-    """bf16 buffers for FP8 experts and a function that fills them by dequantizing every expert
-    (``chunk`` experts at a time, so the fp32 intermediate stays small): ``(w13, w2, refresh)``."""
-    from mok_serve.kernels.fp8 import dequantize_fp8_blocks
-
-    w13 = torch.empty(w13q.shape, dtype=torch.bfloat16, device=w13q.device)
-    w2 = torch.empty(w2q.shape, dtype=torch.bfloat16, device=w2q.device)
-
-    def refresh():
-        for e in range(0, w13q.shape[0], chunk):
-            w13[e : e + chunk] = dequantize_fp8_blocks(w13q[e : e + chunk], w13s[e : e + chunk]).to(torch.bfloat16)
-            w2[e : e + chunk] = dequantize_fp8_blocks(w2q[e : e + chunk], w2s[e : e + chunk]).to(torch.bfloat16)
-
-    return w13, w2, refresh
-
-
-def dequantized_pipeline(w13q, w13s, w2q, w2s, chunk=16):
-    """Baseline for FP8 experts: dequantize every expert's weights to bf16 (``dequantizer``), then
-    ``torch_pipeline``."""
-    w13, w2, refresh = dequantizer(w13q, w13s, w2q, w2s, chunk)
-
-    def run(x, tw, ids):
-        refresh()
-        return torch_pipeline(x, w13, w2, tw, ids)
-
-    return run
-
-
-def fp8_rate():
-    """Dense FP8 matmul rate (FLOP/s) of ``torch._scaled_mm``, 16384 x 7168 x 4096, for the floor."""
-    import triton.testing
-
-    m, k, n = 16384, 7168, 4096
-    a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
-    b = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn).t()
-    one = torch.ones((), device="cuda")
-    ms = triton.testing.do_bench(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16),
-                                 warmup=20, rep=200, return_mode="median")
-    return 2.0 * m * n * k / (ms * 1e-3)
-
-
-# ---------------------------------------------------------------------------------- timing
-
-
-# How the L2 is emptied before each timed replay (``--l2-flush``): "write" zeroes a 256 MiB buffer
-# (triton.testing.do_bench's way), which leaves the L2 full of dirty lines whose write-back to HBM
-# falls inside the timed replay; "read" sums a 256 MiB buffer instead and leaves clean lines.
-L2_FLUSHES = ("write", "read")
-L2_FLUSH = "write"
-
-
-def _read_flushed_median_ms(run, warmup_ms, rep_ms):
-    """Median ms of ``run`` with the L2 emptied by a 256 MiB read before each call (as do_bench
-    times, with a different flush)."""
-    cache = torch.ones(64 << 20, dtype=torch.int32, device="cuda")
-    est0, est1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    est0.record()
-    for _ in range(5):
-        cache.sum()
-        run()
-    est1.record()
-    torch.cuda.synchronize()
-    per_call = max(est0.elapsed_time(est1) / 5, 1e-3)
-    for _ in range(max(1, int(warmup_ms / per_call))):
-        run()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(max(1, int(rep_ms / per_call)))]
-    for start, end in events:
-        cache.sum()
-        start.record()
-        run()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events)
-
-
-def graph_time(fn, clocks: ClockSampler | None = None, warmup_ms=10, rep_ms=60):
-    """Capture ``fn`` in a CUDA graph and time replays (median ms, L2 flushed as ``L2_FLUSH`` says);
-    eager if capture fails. Returns (ms, "graph" or "eager", ``clocks``' summary of the timed
-    replays or ``None``)."""
-    import triton.testing
-
-    fn()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        graph.replay()
-        torch.cuda.synchronize()
-        run, how = graph.replay, "graph"
-    except Exception as exc:  # noqa: BLE001 - report and fall back to eager timing
-        print(f"  capture failed ({type(exc).__name__}: {exc}); timing eagerly", flush=True)
-        torch.cuda.synchronize()
-        run, how = fn, "eager"
-    t0 = time.monotonic()
-    if L2_FLUSH == "read":
-        ms = _read_flushed_median_ms(run, warmup_ms, rep_ms)
-    else:
-        ms = triton.testing.do_bench(run, warmup=warmup_ms, rep=rep_ms, return_mode="median")
-    clock = clocks.summary(t0, time.monotonic()) if clocks is not None else None
-    return ms, how, clock
-
-
-def time_impls(impls: dict, clocks: ClockSampler):
-    """``graph_time`` of each implementation, in order: (ms, how it was timed, clock summary of its
-    timed replays), each a dict by name."""
-    times, modes, clock = {}, {}, {}
-    for k, f in impls.items():
-        times[k], modes[k], clock[k] = graph_time(f, clocks)
-    return times, modes, clock
-
-
-# ---------------------------------------------------------------------------------- vLLM
-
-
-def load_vllm_moe():
-    """vLLM's Triton MoE module (``vllm.model_executor.layers.fused_moe.fused_moe``) and vLLM's
-    version, or ``(None, why not)``: the vLLM column is measured only where vLLM imports, and the
-    benchmark runs without it."""
-    try:
-        import vllm
-        from vllm.model_executor.layers.fused_moe import fused_moe as fm
-    except Exception as exc:  # noqa: BLE001 - any failure to import means no vLLM column
-        return None, f"{type(exc).__name__}: {str(exc)[:200]}"
-    return fm, vllm.__version__
-
-
-def vllm_experts(fm, w13, w2, w13_scale=None, w2_scale=None):
-    """``run(x, tw, ids)``: vLLM's ``fused_experts`` (the kernel of ``--moe-backend triton``) on our
-    weights, whose layouts are vLLM's (w1 ``[E, 2I, H]`` gate rows then up rows, w2 ``[E, H, I]``,
-    SiLU-mul). With scales: 128 x 128 block FP8 (``use_fp8_w8a8``, activations quantized per token
-    in 1 x 128 groups). vLLM's kernel multiplies each block's partial sums by its scale (w ~= q *
-    scale, the checkpoints' ``weight_scale_inv``), which is ``kernels/fp8.py``'s convention, so our
-    scales go in as they are."""
-    quant = None
-    if w13_scale is not None:
-        from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
-
-        from mok_serve.kernels.fp8 import BLOCK_SHAPE
-
-        quant = fp8_w8a8_moe_quant_config(w1_scale=w13_scale, w2_scale=w2_scale, block_shape=list(BLOCK_SHAPE))
-    return lambda x, tw, ids: fm.fused_experts(x, w13, w2, tw, ids, quant_config=quant)
-
-
-def _vllm_dtype_and_block(fm, fp8):
-    """The dtype string and block shape that ``fused_experts_impl`` hands its config lookup for
-    bf16 activations with bf16 or block-FP8 weights."""
-    from mok_serve.kernels.fp8 import BLOCK_SHAPE
-
-    return fm._get_config_dtype_str(torch.bfloat16, use_fp8_w8a8=fp8), (list(BLOCK_SHAPE) if fp8 else None)
-
-
-def vllm_config_file(fm, experts, inter, fp8=False) -> dict:
-    """Which tuned block-size file vLLM's ``fused_experts`` looks up for a shape on this GPU, by
-    vLLM's own functions: ``file`` (``get_config_file_name``; vLLM names it by w2's last dimension,
-    the expert intermediate size, and maps every H200 variant to ``NVIDIA_H200``), ``shipped``
-    (the file is in vLLM's ``fused_moe/configs``), ``source`` (what vLLM uses, by
-    ``get_moe_configs``: "shipped file", "user file" from ``VLLM_TUNED_CONFIG_FOLDER``, or
-    "defaults", i.e. ``get_default_config``) and ``text``, a line for the reports."""
-    dtype, block = _vllm_dtype_and_block(fm, fp8)
-    name = fm.get_config_file_name(experts, inter, dtype, block)
-    shipped = (pathlib.Path(fm.__file__).parent / "configs" / name).is_file()
-    # try_get_optimal_moe_config passes block sizes 0, 0 without a block shape (same cache key).
-    found = fm.get_moe_configs(experts, inter, dtype, *(block or (0, 0))) is not None
-    user = fm.envs.VLLM_TUNED_CONFIG_FOLDER
-    if not found:
-        source, text = "defaults", f"vLLM defaults (no {name})"
-    elif user and (pathlib.Path(user) / name).is_file():  # vLLM reads the user's folder first
-        source, text = "user file", f"tuned, VLLM_TUNED_CONFIG_FOLDER ({name})"
-    else:
-        source, text = "shipped file", f"tuned, shipped with vLLM ({name})"
-    return dict(file=name, shipped=shipped, source=source, text=text)
-
-
-def vllm_config(fm, experts, hidden, inter, top_k, tokens, fp8=False) -> dict:
-    """``vllm_config_file`` plus ``config``: the block sizes ``fused_experts`` runs with at this
-    token count (``try_get_optimal_moe_config``, called as ``fused_experts_impl`` calls it)."""
-    dtype, block = _vllm_dtype_and_block(fm, fp8)
-    cfg = fm.try_get_optimal_moe_config((experts, 2 * inter, hidden), (experts, hidden, inter), top_k, dtype,
-                                        tokens, block_shape=block)
-    return {**vllm_config_file(fm, experts, inter, fp8), "config": dict(cfg)}
-
-
-def check_vllm(impls, errs, ref, tol):
-    """Run vLLM's implementation once against ``ref`` and keep it in ``impls`` (to be timed) only
-    if its output passes: a wrong output's time means nothing. Sets ``errs["vllm"]`` (NaN if the
-    call raised); returns the exception's text or None."""
-    try:
-        errs["vllm"] = rel_err(impls["vllm"](), ref)
-        error = None
-    except Exception as exc:  # noqa: BLE001 - reported in the row, the other columns still run
-        errs["vllm"], error = float("nan"), f"{type(exc).__name__}: {str(exc)[:200]}"
-    if not passes(errs["vllm"], tol):
-        del impls["vllm"]
-    return error
-
-
-# ---------------------------------------------------------------------------------- eager timing
-
-
-# An eager timing lasts about as long as one replay timing (do_bench's rep, 60 ms of calls, host
-# included), within these bounds on the number of calls: several hundred at decode sizes, ten at
-# 8192 tokens (where eager - replay is within the run-to-run noise of either median anyway).
-EAGER_BUDGET_MS = 60.0
-EAGER_CALLS = (10, 500)
-# The implementations timed eagerly as well as by replay.
-EAGER_IMPLS = ("kittens", "vllm")
-
-
-def eager_time(fn, budget_ms=EAGER_BUDGET_MS, calls=EAGER_CALLS):
-    """Median ms of one call of ``fn`` made from Python, no CUDA graph, and the number of calls
-    timed. Before each call: the L2 flush the replays' timing uses (``L2_FLUSH``), then
-    ``torch.cuda.synchronize()``, so the GPU is idle when the start event is recorded and the
-    host's work until the call's kernels are queued (argument checks, dispatch, launches, any
-    host sync inside) lies between the start and end events; a graph replay skips it. The number
-    of calls fills ``budget_ms`` of wall time, bounded by ``calls``."""
-    flush_buf = torch.ones(64 << 20, dtype=torch.int32, device="cuda")  # 256 MiB, as do_bench's
-    flush = flush_buf.sum if L2_FLUSH == "read" else flush_buf.zero_
-
-    def synced_call():
-        flush()
-        torch.cuda.synchronize()
-        fn()
-
-    synced_call()  # warm: lazy set-up of the first eager call after the graph capture
-    t0 = time.perf_counter()
-    for _ in range(3):
-        synced_call()
-    torch.cuda.synchronize()
-    n = eager_call_count((time.perf_counter() - t0) / 3 * 1e3, budget_ms, calls)
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-    for start, end in events:
-        flush()
-        torch.cuda.synchronize()
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events), n
-
-
-def eager_call_count(per_call_ms, budget_ms=EAGER_BUDGET_MS, calls=EAGER_CALLS) -> int:
-    """How many calls ``eager_time`` times: as many as fill ``budget_ms`` at ``per_call_ms`` of
-    wall time each (flush and synchronize included), within ``calls``."""
-    return min(calls[1], max(calls[0], int(budget_ms / max(per_call_ms, 1e-6))))
-
-
-def eager_times(impls):
-    """``eager_time`` of those of ``EAGER_IMPLS`` in ``impls``: (ms, calls), each a dict by name."""
-    got = {k: eager_time(impls[k]) for k in EAGER_IMPLS if k in impls}
-    return {k: ms for k, (ms, _) in got.items()}, {k: n for k, (_, n) in got.items()}
-
-
-def eager_target(row):
-    """The issue's eager target: kittens' eager time minus its replay time (the host-side cost of
-    a call from Python) no larger than vLLM's ``fused_experts``'; None where either is missing."""
-    extra = row.get("eager_extra_ms") or {}
-    if extra.get("kittens") is None or extra.get("vllm") is None:
-        return None
-    return extra["kittens"] <= extra["vllm"]
-
-
-def vllm_and_eager_fields(times, errs, eager, calls, tol, vllm_cfg, vllm_error=None) -> dict:
-    """A row's vLLM and eager fields, bf16 and FP8 alike. ``vllm_cfg`` None: vLLM absent, no vLLM
-    fields. vLLM's replay time and ratio only where its output passed (``vllm_correct``)."""
-    out = {}
-    if vllm_cfg is not None:
-        out.update(vllm_correct=passes(errs["vllm"], tol), vllm_config=vllm_cfg, vllm_configs=vllm_cfg["text"])
-        if vllm_error:
-            out["vllm_error"] = vllm_error
-        if "vllm" in times:
-            out.update(vllm_ms=times["vllm"], speedup_vs_vllm=times["vllm"] / times["kittens"])
-    out.update({f"{k}_eager_ms": ms for k, ms in eager.items()})
-    out.update(eager_calls=calls, eager_extra_ms={k: eager[k] - times[k] for k in eager})
-    out["eager_target_met"] = eager_target(out)
-    return out
+# ---------------------------------------------------------------------------------- runs
 
 
 def _vllm_log(row) -> str:
@@ -469,35 +112,6 @@ def _vllm_log(row) -> str:
     met = row["eager_target_met"]
     return (vllm + "  eager-replay us " + " ".join(f"{k}={v * 1e3:.1f}" for k, v in row["eager_extra_ms"].items())
             + ("" if met is None else "  eager OK" if met else "  eager MISS"))
-
-
-def read_bandwidth():
-    """HBM read rate of a plain reduction over 4 GiB (TB/s), for the record."""
-    import triton.testing
-
-    buf = torch.ones(2**31, device="cuda", dtype=torch.bfloat16)
-    ms = triton.testing.do_bench(lambda: buf.sum(dtype=torch.float32), warmup=10, rep=100, return_mode="median")
-    del buf
-    torch.cuda.empty_cache()
-    return buf_bytes(2**31, 2) / (ms * 1e-3) / 1e12
-
-
-def buf_bytes(n, size):
-    return n * size
-
-
-def rel_err(out, ref):
-    if torch.isnan(out).any():
-        return float("nan")
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-
-
-def passes(err, tol) -> bool:
-    """An output within ``tol`` of the reference (relative error norm); NaN never passes."""
-    return math.isfinite(err) and err <= tol
-
-
-# ---------------------------------------------------------------------------------- runs
 
 
 def bench_rows(shapes, tokens_list, routings, seed, log, clocks, on_row=None, vllm_fm=None):
@@ -564,16 +178,6 @@ def bench_rows(shapes, tokens_list, routings, seed, log, clocks, on_row=None, vl
     return rows
 
 
-def random_fp8_weights(experts, n, k, gen, chunk=16):
-    """Random bf16 weights (scaled by 1/sqrt(k)) quantized to 128 x 128 FP8 blocks, ``chunk`` experts
-    at a time: quantizing Kimi-K2's w13 in one go needs ~90 GB of fp32 temporaries."""
-    from mok_serve.kernels.fp8 import quantize_fp8_blocks
-
-    parts = [quantize_fp8_blocks(torch.randn(min(chunk, experts - e), n, k, device="cuda", dtype=torch.bfloat16,
-                                             generator=gen) / k**0.5) for e in range(0, experts, chunk)]
-    return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
-
-
 def bench_rows_fp8(shapes, tokens_list, routings, seed, log, peak_fp8, clocks, on_row=None, vllm_fm=None):
     """The benchmark's block-FP8 rows; ``vllm_fm`` adds vLLM's ``fused_experts`` on the same
     e4m3 weights and scales."""
@@ -632,32 +236,6 @@ def bench_rows_fp8(shapes, tokens_list, routings, seed, log, peak_fp8, clocks, o
         torch.cuda.empty_cache()
         log(f"  after {name}: {torch.cuda.memory_allocated() / 2**30:.1f} GiB still allocated")
     return rows
-
-
-def target_ms(row) -> float:
-    """The time the issue's target asks of kittens in this row: at 128 tokens and more 1.1x the
-    floor where weights dominate, 1.25x where compute does; below, half the best baseline's (vLLM's
-    ``fused_experts`` among them where it was measured)."""
-    if row["tokens"] < 128:
-        return min(row[k] for k in ("torch_ms", "transformers_ms", "vllm_ms") if k in row) / 2.0
-    return (1.1 if row["bound"] == "weights" else 1.25) * row["floor_ms"]
-
-
-def judge(row):
-    notes = []
-    ok = passes(row["rel_err"]["kittens"], TOL_BF16)
-    if not ok:
-        notes.append("correctness")
-    if row["tokens"] >= 128:
-        target = f"<= {1.1 if row['bound'] == 'weights' else 1.25}x floor ({row['bound']})"
-    else:
-        target = ">= 2x best baseline"
-    if row["kittens_ms"] > target_ms(row):
-        ok = False
-    if row["speedup_vs_best_baseline"] < 1.0:
-        ok = False
-        notes.append("slower than a baseline")
-    return dict(target=target + (" [" + ", ".join(notes) + "]" if notes else ""), target_met=ok)
 
 
 SWEEP_POINTS = [
@@ -1003,263 +581,6 @@ def timeline(shapes, points, seed, log, calls=5, start="cold"):
     return results
 
 
-# ---------------------------------------------------------------------------------- reports
-
-
-CLOCK_NOTE = ("SM clock: median of NVML's SM clock sampled every 5 ms during kittens' timed replays, and the "
-              "share of those samples with the software power cap active.")
-
-
-def write_markdown(meta, rows, path):
-    lines = [
-        f"# MoE layer benchmark, one {meta['gpu']}",
-        "",
-        f"commit `{meta['commit']}`, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}, "
-        f"transformers {meta['transformers']}. Timing: {meta['timing']}. Measured HBM read rate "
-        f"(torch sum over 4 GiB): {meta['read_tb_s']:.2f} TB/s; floor uses {PEAK_BYTES / 1e12} TB/s and "
-        f"{PEAK_FLOPS / 1e12:.0f} TFLOP/s. Skewed routing: half of all (token, k) assignments go to "
-        "expert 0 (duplicates within a token allowed). " + CLOCK_NOTE,
-        "",
-        "| shape | tokens | routing | kittens ms | floor ms | bound | x floor | SM clock | torch ms | "
-        "transformers ms | vs torch | vs transformers | target | met |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['shape']} | {r['tokens']} | {r['routing']} | {r['kittens_ms']:.3f} | {r['floor_ms']:.3f} | "
-            f"{r['bound']} | {r['ratio_to_floor']:.2f} | {clock_text((r.get('clock') or {}).get('kittens'))} | "
-            f"{r['torch_ms']:.3f} | {r['transformers_ms']:.3f} | "
-            f"{r['speedup_vs_torch']:.2f}x | {r['speedup_vs_transformers']:.2f}x | {r['target']} | "
-            f"{'yes' if r['target_met'] else '**no**'} |"
-        )
-    met = sum(r["target_met"] for r in rows)
-    lines += ["", f"Targets met: {met} / {len(rows)} rows."]
-    lines += _vllm_markdown(meta, rows)
-    lines += _misses_markdown(meta, rows)
-    path.write_text("\n".join(lines) + "\n")
-
-
-def _vllm_config_cell(r) -> str:
-    """Where vLLM's block sizes for a row came from, and the tile sizes it ran (``-`` without vLLM)."""
-    cfg = r.get("vllm_config")
-    if cfg is None:  # runs before the structured field kept only the per-shape text
-        text = r.get("vllm_configs")
-        return "-" if text is None else "tuned" if text.startswith("tuned") else "defaults"
-    c = cfg["config"]
-    return (f"{cfg['source']}: M{c.get('BLOCK_SIZE_M')} N{c.get('BLOCK_SIZE_N')} K{c.get('BLOCK_SIZE_K')} "
-            f"G{c.get('GROUP_SIZE_M')} w{c.get('num_warps', '-')} s{c.get('num_stages', '-')}")
-
-
-def _vllm_markdown(meta, rows) -> list[str]:
-    """vLLM's own Triton ``fused_experts`` beside kittens, CUDA-graph replay and eager, and the
-    eager target (bf16 and FP8 reports; nothing for JSONs of runs before these columns)."""
-    rows = [r for r in rows if "kittens_eager_ms" in r or "vllm_ms" in r]
-    if not rows:
-        return []
-    if meta.get("vllm_config_files"):
-        configs = "; ".join(f"{shape} {info['text']}" for shape, info in meta["vllm_config_files"].items())
-    else:
-        configs = "; ".join(sorted({f"{r['shape']} {r['vllm_configs']}" for r in rows if "vllm_configs" in r}))
-    # Runs since the eager timing was bounded by time record how (``eager_timing``) and time vLLM
-    # only where its output passed; c622524's run timed 60 calls and did not gate vLLM.
-    how = meta.get("eager_timing", "one direct call from an idle GPU after the same L2 flush, median")
-    lines = [
-        "", "## Against vLLM's Triton fused_experts, replayed and eager", "",
-        f"Eager: {how}; the host's work before the kernels are queued is inside, so eager - replay is that "
-        "host-side cost (at thousands of tokens it is within the noise of the two medians). Target: kittens' "
-        "eager - replay no larger than vLLM's."
-        + (f" vLLM is timed only where its output passed the check against the reference (relative error "
-           f"<= {TOL_FP8 if 'fp8_tflops' in meta else TOL_BF16:g}, NaN never passes)." if "eager_timing" in meta else "")
-        + (f" vLLM's block sizes (the file vLLM looks up for this GPU and shape, or its defaults): {configs}."
-           if configs else ""),
-    ]
-    if meta.get("vllm_absent"):
-        lines.append(f"vLLM's fused_experts was not measured in this run (vLLM did not import: {meta['vllm_absent']}): "
-                     "its columns show '-' and the eager target is not judged.")
-    lines += [
-        "",
-        "| shape | tokens | routing | kittens ms | vLLM ms | vLLM / kittens | vLLM config | kittens eager ms | "
-        "vLLM eager ms | kittens eager - replay | vLLM eager - replay | met |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-
-    def ms(v):
-        return "-" if v is None else f"{v:.3f}"
-
-    for r in rows:
-        extra = r.get("eager_extra_ms") or {}
-        if "vllm_ms" in r:
-            vllm = f"{r['vllm_ms']:.3f} | {r['speedup_vs_vllm']:.2f}x"
-        elif r.get("vllm_correct") is False:
-            vllm = f"wrong (err {r['rel_err']['vllm']:.1e}), not timed | -"
-        else:
-            vllm = "- | -"
-        met = r.get("eager_target_met")
-        lines.append(
-            f"| {r['shape']} | {r['tokens']} | {r['routing']} | {r['kittens_ms']:.3f} | {vllm} | {_vllm_config_cell(r)} | "
-            f"{ms(r.get('kittens_eager_ms'))} | {ms(r.get('vllm_eager_ms'))} | {ms(extra.get('kittens'))} | "
-            f"{ms(extra.get('vllm'))} | {'-' if met is None else 'yes' if met else '**no**'} |"
-        )
-    judged = [r["eager_target_met"] for r in rows if r.get("eager_target_met") is not None]
-    timed = [r["speedup_vs_vllm"] for r in rows if "vllm_ms" in r]
-    wrong = sum(r.get("vllm_correct") is False for r in rows)
-    lines += ["", (f"Eager target met: {sum(judged)} / {len(judged)} rows; kittens faster than vLLM replayed in "
-                   f"{sum(v > 1 for v in timed)} / {len(timed)}." if judged else "Eager target not judged: no vLLM eager times.")
-              + (f" vLLM's output failed the check in {wrong} rows (not timed)." if wrong else "")]
-    return lines
-
-
-# Dense BF16 wgmma: 4096 FLOP per SM per clock on Hopper.
-BF16_FLOP_PER_SM_CLOCK = 4096
-# The H200's HBM3e rate by the vendor's datasheet: no kernel reads faster.
-HBM_DATASHEET_TB_S = 4.8
-
-
-def miss_reading(row, best_tb_s: float, sms: int, l2_tb_s: float | None = None) -> dict:
-    """By how much a row misses its target and what the target asks of the hardware: the HBM
-    rate, against the datasheet and against ``best_tb_s`` (the fastest any kittens row of the run
-    read its bytes); the rate at which kittens' tiles would have to load their operands through
-    L2 (``operand_bytes``, a model of the tiling), against ``l2_tb_s`` (the measured L2 read
-    rate); and the useful FLOP rate, against the dense tensor peak at the SM clock sampled during
-    kittens' replays."""
-    need = target_ms(row)
-    need_tb_s = row["bytes"] / need / 1e9
-    need_tflops = row["flops"] / need / 1e9
-    need_l2 = row["operand_bytes"] / need / 1e9 if "operand_bytes" in row else None
-    clock = (row.get("clock") or {}).get("kittens")
-    peak = BF16_FLOP_PER_SM_CLOCK * sms * clock["sm_mhz"] * 1e6 / 1e12 if clock and sms else None
-    if need_tb_s > HBM_DATASHEET_TB_S:
-        kind, detail = "above the HBM datasheet rate", f"{HBM_DATASHEET_TB_S} TB/s"
-    elif need_tb_s > best_tb_s:
-        kind, detail = "faster than any row of this run read its bytes", f"{best_tb_s:.2f} TB/s"
-    elif need_l2 and l2_tb_s and need_l2 > l2_tb_s:
-        kind, detail = "L2 operand traffic", f"{need_l2 / l2_tb_s:.0%} of the measured L2 read rate"
-    elif peak and need_tflops > 0.5 * peak:
-        kind, detail = "compute", f"{need_tflops / peak:.0%} of the tensor peak at kittens' SM clock"
-    else:
-        kind, detail = "weight streaming", f"{need_tb_s / best_tb_s:.0%} of the best rate of this run"
-    return dict(need_ms=need, short_pct=100.0 * (row["kittens_ms"] / need - 1.0), need_tb_s=need_tb_s,
-                need_l2_tb_s=need_l2, need_tflops=need_tflops, kittens_tb_s=row["bytes"] / row["kittens_ms"] / 1e9,
-                kittens_tflops=row["flops"] / row["kittens_ms"] / 1e9, peak_tflops=peak, kind=kind, detail=detail)
-
-
-def _misses_markdown(meta, rows) -> list[str]:
-    misses = [r for r in rows if not r["target_met"]]
-    if not misses:
-        return []
-    best = max(r["bytes"] / r["kittens_ms"] / 1e9 for r in rows)
-    l2 = meta.get("l2_tb_s")
-    lines = [
-        "", "## Targets not met: by how much, and what they ask of the hardware", "",
-        f"The HBM rate and useful FLOP rate each target needs, against the HBM datasheet rate "
-        f"({HBM_DATASHEET_TB_S} TB/s), the fastest any kittens row of this run read its bytes ({best:.2f} TB/s; "
-        f"the torch-sum read rate above is {meta['read_tb_s']:.2f}) and the dense BF16 tensor peak at the SM clock "
-        f"sampled during kittens' replays ({BF16_FLOP_PER_SM_CLOCK} FLOP per SM per clock, {meta.get('sms', '?')} "
-        "SMs). Profiles and the reasons behind each kind of miss: loadtest/JOURNAL.md#profiles, "
-        "loadtest/JOURNAL.md#why-the-compute-bound-end-stays-above-the-floor and loadtest/JOURNAL.md#decode." + (
-            f" Needs L2 TB/s: the bytes kittens' GEMM tiles load into shared memory (`operand_bytes` in "
-            "kernels/cuda/moe.py: each row tile loads its expert's weight columns whole and its own rows once "
-            "per column tile) over the time the target asks for, against the rate at which TMA tiles stream from "
-            f"L2 alone (every load a hit) into the SMs, measured in this run: {l2:.2f} TB/s; a pipeline that "
-            "mixes hits with tiles streamed from HBM gets less of both (`loadtest/bench/l2_rates.py`; "
-            "loadtest/JOURNAL.md#l2-and-the-hbm-stream)." if l2 else "") + (
-            " The L2 flush before each replay zeroes 256 MiB, so each replay starts with the L2 full of dirty "
-            "lines whose write-back (up to ~50 MB) falls inside it: at 1 token that costs kittens ~8 us and the "
-            "baselines ~1 us (`--l2-flush read` empties the L2 by a read instead; loadtest/JOURNAL.md#decode)."
-            if meta.get("l2_flush", "write") == "write" else ""),
-        "",
-        "| shape | tokens | routing | target | needs ms | kittens ms | short by | needs TB/s | kittens TB/s | "
-        + ("needs L2 TB/s | " if l2 else "") + "needs TFLOP/s | kittens TFLOP/s | tensor peak TFLOP/s | reading |",
-        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if l2 else "") + "---|---|---|",
-    ]
-    kinds: dict[str, int] = {}
-    for r in misses:
-        m = miss_reading(r, best, meta.get("sms", 0), l2)
-        kinds[m["kind"]] = kinds.get(m["kind"], 0) + 1
-        peak = f"{m['peak_tflops']:.0f}" if m["peak_tflops"] else "-"
-        need_l2 = (f"{m['need_l2_tb_s']:.2f} | " if m["need_l2_tb_s"] else "- | ") if l2 else ""
-        lines.append(
-            f"| {r['shape']} | {r['tokens']} | {r['routing']} | {r['target']} | {m['need_ms']:.3f} | "
-            f"{r['kittens_ms']:.3f} | {m['short_pct']:.1f}% | {m['need_tb_s']:.2f} | {m['kittens_tb_s']:.2f} | "
-            f"{need_l2}{m['need_tflops']:.0f} | {m['kittens_tflops']:.0f} | {peak} | {m['kind']}: {m['detail']} |"
-        )
-    lines += ["", "Misses by reading: " + "; ".join(f"{k}: {n}" for k, n in sorted(kinds.items())) + "."]
-    return lines
-
-
-def write_markdown_fp8(meta, rows, path):
-    lines = [
-        f"# FP8 (block-scaled) MoE layer benchmark, one {meta['gpu']}",
-        "",
-        f"commit `{meta['commit']}`, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}. "
-        f"Timing: {meta['timing']}. Weights e4m3 with one fp32 scale per 128 x 128 block, activations "
-        "quantized per token in 1 x 128 groups inside the kernel. Floor = max(FP8 FLOPs / "
-        f"{meta['fp8_tflops']:.0f} TFLOP/s (dense `torch._scaled_mm` measured in this run), bytes / "
-        f"{PEAK_BYTES / 1e12} TB/s) with 1 byte per weight (+ scales). Baseline: dequantize every expert to "
-        "bf16 (16 experts at a time) + the torch pipeline (argsort, gather, `torch._grouped_mm` x2). "
-        f"`torch._scaled_grouped_mm` takes row-wise scales only, not 128 x 128 blocks, so it is not "
-        "a baseline for this format" + ("; vLLM's Triton `fused_experts` on the same e4m3 weights and block scales "
-        "is, where vLLM imports (section below), and the speedup is against the row's fastest baseline"
-        if "eager_timing" in meta else "") + ". Correct = relative error norm <= 3e-2 against "
-        "`fused_moe_fp8_reference`. " + CLOCK_NOTE,
-        "",
-        "| shape | tokens | routing | kittens ms | floor ms | bound | x floor | SM clock | dequant+torch ms | speedup | "
-        "rel err | correct |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['shape']} | {r['tokens']} | {r['routing']} | {r['kittens_ms']:.3f} | {r['floor_ms']:.3f} | "
-            f"{r['bound']} | {r['ratio_to_floor']:.2f} | {clock_text((r.get('clock') or {}).get('kittens'))} | "
-            f"{r['dequant_torch_ms']:.3f} | "
-            f"{r['speedup_vs_best_baseline']:.1f}x | {r['rel_err']['kittens']:.1e} | {'yes' if r['correct'] else '**no**'} |"
-        )
-    lines += _vllm_markdown(meta, rows)
-    path.write_text("\n".join(lines) + "\n")
-
-
-def plot_time_by_shape(rows, series, path, *, xlabel, ylabel, title=None):
-    """Time (log) against tokens (log), one panel per shape, uniform routing solid and skewed dashed;
-    ``series`` is ``(label, color, value)`` with ``value(row)`` a time or None where the row has none.
-    Shared by this benchmark's plot and ``ep``'s."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    shapes = list(dict.fromkeys(r["shape"] for r in rows))
-    if not shapes:
-        return
-    fig, axes = plt.subplots(1, len(shapes), figsize=(4.2 * len(shapes) + 2.5, 4), squeeze=False)
-    for ax, shape in zip(axes[0], shapes):
-        for routing, style in (("uniform", "-"), ("skewed", "--")):
-            rs = sorted((r for r in rows if r["shape"] == shape and r["routing"] == routing), key=lambda r: r["tokens"])
-            for label, color, value in series:
-                pts = [(r["tokens"], value(r)) for r in rs]
-                pts = [(t, v) for t, v in pts if v is not None]
-                if pts:
-                    ax.plot(*zip(*pts), style, color=color, marker="o", ms=3, label=f"{label}, {routing}")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(shape)
-        ax.set_xlabel(xlabel)
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].set_ylabel(ylabel)
-    axes[0][-1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1))
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def write_plot(rows, path):
-    series = [(key[:-3], color, lambda r, key=key: r.get(key))
-              for key, color in (("kittens_ms", "C0"), ("torch_ms", "C1"), ("transformers_ms", "C2"),
-                                 ("dequant_torch_ms", "C3"), ("vllm_ms", "C4"), ("floor_ms", "k"))]
-    plot_time_by_shape(rows, series, path, xlabel="tokens", ylabel="ms (median, CUDA graph replay)")
-
-
 def _vllm_version() -> str | None:
     try:
         from importlib.metadata import version
@@ -1351,8 +672,7 @@ def main(argv: list[str] | None = None) -> int:
         log_file.write(msg + "\n")
         log_file.flush()
 
-    global L2_FLUSH
-    L2_FLUSH = args.l2_flush
+    set_l2_flush(args.l2_flush)
     meta = dict(
         l2_flush=args.l2_flush, gpu=torch.cuda.get_device_name(), commit=provenance.git_commit(), date=datetime.datetime.now(datetime.UTC).isoformat(),
         torch=torch.__version__, triton=triton.__version__, transformers=transformers.__version__,
