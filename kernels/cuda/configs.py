@@ -133,7 +133,7 @@ def pick_configs_fp8(tokens: int, top_k: int, num_local: int, hidden: int, inter
     activation group), so the K order never depends on the batch. Each K block keeps its dot result
     beside the fp32 accumulator, so a ``[BM, BN]`` tile holds ``2*BM*BN/threads`` fp32 registers per
     thread; the warps keep that at 128 (GEMM1's fused gate/up tile is 256 wide: 8 warps at BM = 64).
-    Compiled for sm_90a (Triton 3.9, tests/test_triton_moe_fp8_compile.py) these configs use 216-228
+    Compiled for sm_90a (Triton 3.9, tests/kernels/test_triton_moe_fp8_compile.py) these configs use 216-228
     registers and do not spill; the 256-per-thread variants (GEMM1 BM=128 at 8 warps or BM=64 at 4,
     GEMM2 128x256 at 8) spill. Regimes by average rows per expert: up to 16, operands swapped
     (``SWAP_AB``, weight columns on wgmma's M side, 16- or 32-row token tiles); up to 48 rows, weight

@@ -23,7 +23,7 @@ TTFT_S, TOKEN_GAP_S = 0.020, 0.005
 
 def vllm_bench(url: str, seed: int) -> tuple[float, float, float]:
     """(output tok/s, mean TTFT ms, mean TPOT ms) of vLLM's serve benchmark (`vllm bench serve`),
-    called in-process for its result dict (the command itself runs in tests/test_cli_serving.py)."""
+    called in-process for its result dict (the command itself runs in tests/server/test_cli_serving.py)."""
     from vllm.benchmarks import serve as vllm_serve
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 

@@ -1,7 +1,7 @@
 """The C++ CPU kernel's instruction sets (kernels/cpu/cpu_moe.cpp): which one a CPU gets, forcing one with
 MOK_SERVE_CPU_ISA, the ISAs' agreement bit for bit, and its loops running on torch's threads.
 
-tests/test_cpu_moe.py runs the reference, invariance and thread-count tests on every ISA this CPU has."""
+tests/kernels/test_cpu_moe.py runs the reference, invariance and thread-count tests on every ISA this CPU has."""
 
 import os
 import subprocess

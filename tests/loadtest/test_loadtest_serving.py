@@ -3,7 +3,7 @@
 1. the full comparison as a user runs it (the tool starts the stock and the kittens server);
 2. the server is killed mid-run: errors counted, what happened reported, non-zero exit, no hang.
 
-(Its figures against `vllm bench serve`'s: tests/test_loadtest_vs_vllm_bench.py, on a fake server
+(Its figures against `vllm bench serve`'s: tests/loadtest/test_loadtest_vs_vllm_bench.py, on a fake server
 whose pace is fixed.)
 """
 

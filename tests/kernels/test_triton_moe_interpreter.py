@@ -220,7 +220,7 @@ def test_decode_narrow_gemm2_tail_gives_the_same_bits():
         got = tm.fused_moe_triton(x, w13, w2, weights, ids, _configs=(g1, dict(wide[1], NARROW_TAIL=narrow)))
         # The interpreter's tl.dot is numpy's matmul, whose summation order depends on the tile's
         # width on some CPUs (AVX-512: the last bits differ): same tiles written, fp32 rounding apart.
-        # The compiled kernels give the same bits (tests/test_triton_moe_gpu.py).
+        # The compiled kernels give the same bits (tests/kernels/test_triton_moe_gpu.py).
         assert rel_err(got, expect) <= 1e-6, narrow
     assert tm.decode_items(20, 6, 160, 24, (g1, dict(wide[1], NARROW_TAIL=3)))[1] == (20 // 16 + 6 + 3) * 2
     # A narrow item that waits in vain writes NaN rows of its own width.

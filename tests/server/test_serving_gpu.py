@@ -43,7 +43,7 @@ EXPERTS_CLASS = {"kittens": "KittensExperts", "kittens_fp8": "KittensFp8Experts"
 # Greedy output against stock. kittens sums each GEMM and the top-k in another order than vLLM's
 # kernels, so a layer's output can differ in its last bits, and the random tiny models have ties:
 # - tokens: equal to the reference's up to the first token where the reference's top two logprobs
-#   were within NEAR nats (bf16) or FP8_NEAR (FP8, the CPU tests' bound, tests/test_serving.py);
+#   were within NEAR nats (bf16) or FP8_NEAR (FP8, the CPU tests' bound, tests/server/test_serving.py);
 #   measured at c622524 (git history: loadtest/results/serving_gpu_c622524.log at ac4a962): every bf16 token equal except
 #   two prompts of glm4_moe, each from a token whose top two were exactly tied (0.000 apart);
 #   every FP8 token equal;

@@ -2,7 +2,7 @@
 ``pick_configs`` (at decode sizes also as the one-launch kernel of both): bf16 wgmma (what batch
 invariance rests on: the same instruction whether the token rows or, swapped at decode sizes, the
 weight columns are its M side), no register spills, shared memory within an SM's 227 KB (the
-one-launch kernel within half of it). Same method as tests/test_triton_moe_fp8_compile.py: compiled as a
+one-launch kernel within half of it). Same method as tests/kernels/test_triton_moe_fp8_compile.py: compiled as a
 launch would specialize them, in a subprocess (the conftest puts Triton in interpreter mode on CPU
 machines), registers and spills from ``ptxas -v``.
 """

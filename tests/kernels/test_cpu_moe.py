@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not cpu_moe.available(), reason="the C++ CPU ker
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 # Every ISA the kernel has; those this CPU lacks are skipped (a CI machine without AVX-512 still
-# tests the generic path; tests/test_cpu_moe_isa.py checks which one is chosen).
+# tests the generic path; tests/kernels/test_cpu_moe_isa.py checks which one is chosen).
 ISAS = ["generic", "avx512_bf16"]
 
 

@@ -1,6 +1,6 @@
 """The Triton FP8 (block-scaled) MoE on a CUDA GPU (Hopper): numerics, determinism, graphs.
 
-Run with ``pytest -m gpu tests/test_triton_moe_fp8_gpu.py``; skipped without CUDA. Every check
+Run with ``pytest -m gpu tests/kernels/test_triton_moe_fp8_gpu.py``; skipped without CUDA. Every check
 draws fresh random inputs (the seed is printed so a failure can be replayed) and poisons outputs
 where the kernel writes them. The reference is ``fused_moe_fp8_reference`` on the GPU (fp32 GEMMs
 on dequantized operands, one expert at a time).

@@ -17,7 +17,7 @@ from mok_serve.server_process import ServerProcess
 
 pytestmark = pytest.mark.server
 
-README = Path(__file__).parents[1] / "README.md"
+README = Path(__file__).parents[2] / "README.md"
 README_URL = "http://127.0.0.1:8000"
 VLLM = str(Path(sys.executable).with_name("vllm"))
 # Lines that a start and stop of mok-serve must not print (vLLM's Triton notices on a CPU, the

@@ -1,7 +1,7 @@
 """Kernels that take per-call integers compile for Hopper (sm_90a) without a GPU whatever values
 those integers have, 0 and 1 included: Triton passes an integer argument equal to 1 as a constant
 (a Python int, which has no ``.to``), and a launch in a real server met exactly that (the timer
-kernel at one token). Compiled in a subprocess, as tests/test_triton_moe_compile.py does (the
+kernel at one token). Compiled in a subprocess, as tests/kernels/test_triton_moe_compile.py does (the
 conftest puts Triton in interpreter mode on CPU machines)."""
 
 import json
