@@ -13,7 +13,7 @@
 //   instruction: vdpbf16ps computes per lane acc + odd product, rounded, then + even product,
 //   rounded, the two products exact (measured on 3.2 million random lanes of an AMD EPYC with
 //   AVX-512 BF16, all equal to that; the order of Intel's SDM pseudocode).
-//   tests/test_cpu_moe_isa.py checks the two ISAs' agreement on each CPU it runs on;
+//   tests/kernels/test_cpu_moe_isa.py checks the two ISAs' agreement on each CPU it runs on;
 // - fp16 and fp32 activations, K ORDER: k = 0, 1, 2, ... (these run on the generic path only).
 // So the two ISAs below give the same bits for bf16 on normal numbers:
 //
