@@ -95,7 +95,8 @@ def triton_compiles():
     previous = knobs.runtime.jit_post_compile_hook
 
     def hook(**kwargs):
-        names.append(getattr(kwargs.get("fn"), "name", "?"))
+        # Triton names a kernel by its __qualname__ ("outer.<locals>.never_ran" for a nested one).
+        names.append(getattr(kwargs.get("fn"), "name", "?").rsplit(".", 1)[-1])
         return previous(**kwargs) if previous is not None else None
 
     knobs.runtime.jit_post_compile_hook = hook
