@@ -170,8 +170,22 @@ class KittensExperts(mk.FusedMoEExpertsModular):
 
 
 class TimedMoEMethod:
-    """Per-layer timing (timing.py) around a vLLM MoE method, kittens or stock. Mixed in ahead of
-    the vLLM method class; ``__init__`` calls ``_init_timing`` first."""
+    """What mok-serve adds to every vLLM MoE method, kittens or stock: per-layer timing (timing.py)
+    and a neutral routing bias under dummy weights (``create_weights``). Mixed in ahead of the vLLM
+    method class; ``__init__`` calls ``_init_timing`` first."""
+
+    def create_weights(self, layer, *args, **kwargs) -> None:
+        super().create_weights(layer, *args, **kwargs)
+        # DeepSeek-V3's routing adds a learned per-expert bias (e_score_correction_bias, trained to
+        # balance the load) to tiny router scores. vLLM's dummy weights fill it with the same
+        # uniform +-1e-3 noise as every weight, which outweighs the dummy router's scores, so every
+        # token picks the same top-k experts (expert-load imbalance 32 on the DeepSeek-V3 shape):
+        # a load no trained model has, and not the cost `--load-format dummy` is meant to show. A
+        # zero bias leaves the choice to the router's scores, which vary per token. Only the dummy
+        # loader reads dummy_weight_value; checkpoints load the real bias.
+        bias = getattr(layer, "e_score_correction_bias", None)
+        if isinstance(bias, torch.nn.Parameter):
+            bias.dummy_weight_value = 0.0
 
     def _init_timing(self) -> None:
         # None when off, and then apply() is the stock one.

@@ -105,3 +105,31 @@ def test_vllm_serves_one_layer_with_dummy_weights(tmp_path):
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 4
         assert "Using KittensExperts MoE backend" in server.log()
+
+
+@pytest.mark.server
+def test_dummy_weights_spread_tokens_over_the_experts():
+    # vLLM's dummy weights put the same +-1e-3 noise into DeepSeek-V3's routing bias as into every
+    # weight; it outweighs the dummy router's scores, and every token then went to the same top-k
+    # experts (expert_tokens [0, .., 80, 0, 80, 80, 0, 80] here; the DeepSeek-V3 shape on the H200:
+    # 8 of 256 experts, imbalance 32). mok-serve zeroes that bias under dummy loading, for every
+    # backend (stock here; the method mixin is kittens' too).
+    import httpx
+
+    from mok_serve import tiny_models
+
+    model = tiny_models.build_tiny_model("deepseek_v3")
+    args = [str(model), "--load-format", "dummy", "--max-model-len", "1024", "--moe-backend", "auto"]
+    with ServerProcess(args, startup_timeout=900) as server:
+        for i in range(4):
+            body = {"model": str(model), "prompt": f"Prompt {i} on kittens and experts", "max_tokens": 8,
+                    "ignore_eos": True}
+            assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=300).status_code == 200
+        layers = httpx.get(f"{server.url}/v1/kittens/layers", timeout=60).json()["layers"]
+    for layer in layers:
+        rank = layer["ranks"][0]
+        top_k, experts = layer["top_k"], layer["num_experts"]
+        assert sum(rank["expert_tokens"]) > 0
+        used = sum(1 for t in rank["expert_tokens"] if t)
+        assert used > 2 * top_k, (layer["name"], rank["expert_tokens"])  # collapsed: exactly top_k
+        assert rank["imbalance"] < experts / top_k / 2, (layer["name"], rank["imbalance"])

@@ -200,3 +200,31 @@ def test_ep_calls_are_sized_by_the_steps_largest_dp_count(monkeypatch, replicate
     assert expert_parallel._max_tokens_across_ranks(ws) == expected
     monkeypatch.setattr(expert_parallel, "is_forward_context_available", lambda: False)
     assert expert_parallel._max_tokens_across_ranks(ws) is None
+
+
+def test_every_moe_method_zeroes_the_dummy_routing_bias():
+    # Both vLLM MoE methods mok-serve installs (unquantized and block FP8, kittens or stock) mark
+    # a layer's e_score_correction_bias for a zero dummy value, and vLLM's dummy loader honours it.
+    import torch
+    from vllm.model_executor.model_loader.weight_utils import initialize_single_dummy_weight
+
+    from mok_serve.vllm.experts import KittensFusedMoEMethod, TimedMoEMethod
+    from mok_serve.vllm.experts_fp8 import KittensFp8MoEMethod
+
+    for cls in (KittensFusedMoEMethod, KittensFp8MoEMethod):
+        assert cls.create_weights is TimedMoEMethod.create_weights  # ahead of vLLM's own
+
+    class Base:
+        def create_weights(self, layer, *args, **kwargs):
+            layer.e_score_correction_bias = torch.nn.Parameter(torch.empty(8))
+
+    class Method(TimedMoEMethod, Base):
+        pass
+
+    layer = torch.nn.Module()
+    Method().create_weights(layer, 8, 16, 32, torch.float32)
+    initialize_single_dummy_weight(layer.e_score_correction_bias)
+    assert torch.equal(layer.e_score_correction_bias.detach(), torch.zeros(8))
+    plain = torch.nn.Parameter(torch.empty(8))
+    initialize_single_dummy_weight(plain)
+    assert plain.abs().max() > 0  # without the mark: vLLM's +-1e-3 noise
