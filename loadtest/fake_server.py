@@ -148,6 +148,7 @@ def fake_layers_document(tokens: int, seconds: float, num_layers: int = 2) -> di
         mean = 0.1 + 0.01 * i
         return {"mean": mean, "p50": mean, "p90": mean, "p99": mean, "max": mean, "samples": tokens} if tokens else None
 
+    spread = [tokens // 4 + (e < tokens % 4) for e in range(4)]  # top-1 slots over 4 experts, as even as can be
     rank = {"rank": 0, "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "ep_rank": 0, "ep_size": 1, "pid": os.getpid()}
     return {
         "object": "kittens.layers", "backend": "fake",
@@ -161,8 +162,8 @@ def fake_layers_document(tokens: int, seconds: float, num_layers: int = 2) -> di
                     "ranks": [{"rank": 0, "ep_rank": 0, "ep_size": 1, "experts_class": "FakeExperts",
                                "local_experts": [0, 1, 2, 3], "calls": tokens, "tokens": tokens,
                                "sampled_calls": tokens, "latency_ms": latency(i), "phases_ms": None,
-                               "expert_tokens": [tokens, 0, 0, 0], "local_expert_tokens": tokens,
-                               "imbalance": 4.0 if tokens else None}]}
+                               "expert_tokens": spread, "local_expert_tokens": tokens,
+                               "imbalance": max(spread) / (tokens / 4) if tokens else None}]}
                    for i in range(num_layers)],
     }
 

@@ -347,6 +347,8 @@ def write_markdown(results: dict[str, Any], folder: Path, plots: list[Path]) -> 
                 problems.append(f"- {t['name']} `{r['spec']['name']}`: {n}")
             if b := bunching_line(r):
                 problems.append(f"- {t['name']} `{r['spec']['name']}`: {b}")
+            if c := collapsed_routing_line(r):
+                problems.append(f"- {t['name']} `{r['spec']['name']}`: {c}")
             if r.get("skipped"):
                 problems.append(f"- {t['name']} `{r['spec']['name']}`: skipped ({r['skipped']})")
             errors = r["summary"].get("errors") or {}
@@ -416,6 +418,26 @@ def bunching_line(run: dict[str, Any]) -> str | None:
     return f"{text}: under {bunching.DISTORTED_SHARE:.0%} of the run, figures kept"
 
 
+def collapsed_routing_line(run: dict[str, Any]) -> str | None:
+    """In words, the MoE layers of a run whose every routed slot went to the same ``top_k`` experts
+    (expert-load imbalance = experts / top_k over at least as many tokens as experts): a load no
+    trained router produces (seen with dummy weights), which the run's MoE times then measure. None
+    when no layer's load collapsed."""
+    parsed = ((run or {}).get("layers") or {}).get("parsed") or []
+    collapsed = []
+    for layer in parsed:
+        f = layer["fields"]
+        experts, top_k, imbalance = f.get("num_experts"), f.get("top_k"), f.get("imbalance")
+        if experts and top_k and imbalance and (f.get("tokens") or 0) >= experts and imbalance >= 0.999 * experts / top_k:
+            collapsed.append(layer)
+    if not collapsed:
+        return None
+    f = collapsed[0]["fields"]
+    return (f"**routing collapsed** in {len(collapsed)} of {len(parsed)} MoE layers: every token went to the "
+            f"same {f['top_k']:g} of {f['num_experts']:g} experts (expert-load imbalance {f['imbalance']:g}); "
+            "its MoE times measure that load, not a trained router's")
+
+
 def bunching_section(results: dict[str, Any]) -> list[str]:
     out = ["## Bunched streams", "", bunching.RULE_TEXT, ""]
     out += ["| run | " + " | ".join(t["name"] for t in results["targets"]) + " |",
@@ -460,8 +482,9 @@ def console_summary(results: dict[str, Any], folder: Path, exit_code: int) -> st
             if first:
                 lines.append(f"  first error: {first}")
         for r in t.get("runs", []):
-            if b := bunching_line(r):
-                lines.append(f"! {t['name']} {r['spec']['name']}: {b.replace('**', '')}")
+            for line in (bunching_line(r), collapsed_routing_line(r)):
+                if line:
+                    lines.append(f"! {t['name']} {r['spec']['name']}: {line.replace('**', '')}")
         lines.append(f"  {t['name']}: per-layer MoE timing {_layers_state(t)}")
     lines.append(f"results: {folder}/ (report.md, results.json, *.png)")
     lines.append("status: " + ("OK" if exit_code == 0 else f"FAILED (exit {exit_code})"))

@@ -230,3 +230,23 @@ def test_layers_plot_label_and_legend_off_the_bars():
     box = legend.get_window_extent()
     bars = [p.get_window_extent() for ax in fig.axes for p in ax.patches]
     assert len(bars) == 8 and not any(box.overlaps(b) for b in bars)
+
+
+def test_a_collapsed_routing_is_named_in_the_report():
+    # The DeepSeek-V3 shape with dummy weights sent every token to the same 8 of 256 experts
+    # (imbalance 32): the report says so, since its MoE times measure that load.
+    from mok_serve.loadtest import server_layers
+    from mok_serve.loadtest.fake_server import fake_layers_document
+
+    even = fake_layers_document(tokens=40, seconds=1.0)
+    collapsed = fake_layers_document(tokens=40, seconds=1.0)
+    for layer in collapsed["layers"][:1]:
+        layer["ranks"][0].update(expert_tokens=[40, 0, 0, 0], imbalance=4.0)
+    run = lambda doc: {"layers": {"available": True, "raw": doc, "parsed": server_layers.parse_layers(doc)}}  # noqa: E731
+    assert report.collapsed_routing_line(run(even)) is None
+    line = report.collapsed_routing_line(run(collapsed))
+    assert line.startswith("**routing collapsed** in 1 of 2 MoE layers: every token went to the same 1 of 4 experts")
+    few = fake_layers_document(tokens=3, seconds=1.0)  # fewer tokens than experts: nothing to tell
+    few["layers"][0]["ranks"][0].update(expert_tokens=[3, 0, 0, 0], imbalance=4.0)
+    assert report.collapsed_routing_line(run(few)) is None
+    assert report.collapsed_routing_line({}) is None
