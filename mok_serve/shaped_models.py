@@ -212,7 +212,9 @@ Write a directory that vLLM serves with --load-format dummy: the real architectu
 (shapes, routing, attention), a tokenizer and a generation config, no weights. vLLM fills the
 weights with random values: the text is meaningless, but every layer has the real shapes, so the
 time and memory per token are the real model's. Models too large for the weight budget are cut to
-the layers that fit (dense layers first, as in the model).
+the layers that fit (dense layers first, as in the model). DeepSeek-V3's routing bias is set to
+zero under dummy weights (by mok-serve's vLLM plugin, for every MoE backend), so tokens spread over
+the experts instead of all following the random bias to the same 8.
 
   mok-serve build-model --shape qwen3-30b-a3b --out /tmp/qwen3
   mok-serve /tmp/qwen3 --load-format dummy
