@@ -2,7 +2,7 @@
 timing, correctness and floors.
 
 - shapes and inputs: ``load_shapes`` (``configs/model_shapes.json``), ``random_experts``,
-  ``random_fp8_weights``, ``make_routing`` (uniform or skewed); the floor of a call, ``floor_of``
+  ``random_fp8_weights``, ``make_routing`` (uniform, skewed or concentrated); the floor of a call, ``floor_of``
   (max of FLOPs over ``PEAK_FLOPS`` and bytes over ``PEAK_BYTES``), and the dense FP8 rate, ``fp8_rate``;
 - baselines: ``torch_pipeline``, ``transformers_experts``, the FP8 ``dequantizer`` and
   ``dequantized_pipeline``, and vLLM's own Triton ``fused_experts`` (``load_vllm_moe``, where vLLM
@@ -32,7 +32,8 @@ from ..gpu_clocks import ClockSampler
 
 PEAK_FLOPS = 790e12
 PEAK_BYTES = 4.4e12
-ROUTINGS = ("uniform", "skewed")
+ROUTINGS = ("uniform", "skewed", "concentrated")
+DEFAULT_ROUTINGS = ("uniform", "skewed")  # what a run without --routing measures
 
 # Relative error norm against the reference within which an output is right: bf16 experts, and FP8
 # experts (whose activation quantization adds its own rounding). NaN never passes (``passes``).
@@ -57,9 +58,14 @@ def random_experts(E, H, I, gen):
 
 
 def make_routing(tokens, experts, top_k, routing, gen, device="cuda"):
-    """Top-k ``(weights [T, K] summing to 1, int32 ids [T, K])``: distinct random experts per token, or
-    ``skewed``: half of all (token, k) assignments then set to expert 0 (duplicates allowed)."""
+    """Top-k ``(weights [T, K] summing to 1, int32 ids [T, K])``: distinct random experts per token;
+    ``skewed``: half of all (token, k) assignments then set to expert 0 (duplicates allowed);
+    ``concentrated``: every token to the same ``top_k`` experts, in its own order (the load vLLM's
+    dummy weights gave DeepSeek-V3: every expert busy with all the tokens, or idle)."""
     ids = torch.rand(tokens, experts, device=device, generator=gen).argsort(dim=1)[:, :top_k]
+    if routing == "concentrated":
+        same = torch.randperm(experts, device=device, generator=gen)[:top_k]
+        ids = same[torch.rand(tokens, top_k, device=device, generator=gen).argsort(dim=1)]
     if routing == "skewed":
         flat = ids.reshape(-1)
         pick = torch.randperm(flat.numel(), device=device, generator=gen)[: flat.numel() // 2]

@@ -1,7 +1,8 @@
 """One-GPU MoE layer benchmark: kittens (Triton fused MoE) against its baselines and the floor.
 
 For every model shape of ``configs/model_shapes.json``, token count and routing (uniform, or
-skewed: half of all (token, k) assignments to expert 0, duplicates within a token allowed), it
+skewed: half of all (token, k) assignments to expert 0, duplicates within a token allowed; with
+``--routing concentrated``: every token to the same top-k experts), it
 checks each implementation against ``fused_moe_reference`` and then times, in the same run:
 
 - kittens: ``mok_serve.kernels.fused_moe`` (4 Triton launches, no host sync);
@@ -71,7 +72,7 @@ import torch
 from .. import history, provenance
 from ..gpu_clocks import ClockSampler, clock_text
 from .harness import (
-    EAGER_BUDGET_MS, EAGER_CALLS, EAGER_IMPLS, L2_FLUSHES, PEAK_BYTES, PEAK_FLOPS, ROUTINGS, TOL_BF16, TOL_FP8,
+    DEFAULT_ROUTINGS, EAGER_BUDGET_MS, EAGER_CALLS, EAGER_IMPLS, L2_FLUSHES, PEAK_BYTES, PEAK_FLOPS, ROUTINGS, TOL_BF16, TOL_FP8,
     check_vllm, dequantized_pipeline, eager_times, floor_of, fp8_rate, graph_time, load_shapes, load_vllm_moe,
     make_routing, passes, random_experts, random_fp8_weights, read_bandwidth, rel_err, set_l2_flush, time_impls,
     torch_pipeline, transformers_experts, vllm_config, vllm_config_file, vllm_experts,
@@ -599,7 +600,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="mok-loadtest layer", description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="all", help="comma-separated shape names from configs/model_shapes.json")
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
-    p.add_argument("--routing", default=",".join(ROUTINGS))
+    p.add_argument("--routing", default=",".join(DEFAULT_ROUTINGS),
+                   help=f"comma-separated, of {', '.join(ROUTINGS)} (default: %(default)s)")
     p.add_argument("--out", default=str(RESULTS), help="folder for layer_bench.{json,md,png}")
     p.add_argument("--name", default="layer_bench", help="file name stem of the results")
     p.add_argument("--seed", type=int, default=1234)
@@ -608,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="only these variants of the sweep (default: all, e.g. 'default' 'no PDL' 's4')")
     p.add_argument("--sweep-repeats", type=int, default=1, help="time the sweep's variants this many times, interleaved")
     p.add_argument("--sweep-points", nargs="*", metavar="SHAPE:TOKENS[:ROUTING]", default=None,
-                   help="the sweep's points, routing uniform unless ':skewed' follows (default: "
+                   help="the sweep's points, routing uniform unless ':skewed' or ':concentrated' follows (default: "
                    + " ".join(f"{s}:{t}" for s, t, _ in SWEEP_POINTS) + ")")
     p.add_argument("--profile", nargs="*", metavar="SHAPE:TOKENS[:ROUTING]", default=None,
                    help="instead: each kittens kernel's device time per call (torch.profiler) at these points "

@@ -290,7 +290,8 @@ def write_markdown_fp8(meta, rows, path):
 
 
 def plot_time_by_shape(rows, series, path, *, xlabel, ylabel, title=None):
-    """Time (log) against tokens (log), one panel per shape, uniform routing solid and skewed dashed;
+    """Time (log) against tokens (log), one panel per shape, uniform routing solid, skewed dashed,
+    concentrated dotted;
     ``series`` is ``(label, color, value)`` with ``value(row)`` a time or None where the row has none.
     Shared by ``write_plot`` and ``ep``'s plot."""
     import matplotlib
@@ -303,7 +304,7 @@ def plot_time_by_shape(rows, series, path, *, xlabel, ylabel, title=None):
         return
     fig, axes = plt.subplots(1, len(shapes), figsize=(4.2 * len(shapes) + 2.5, 4), squeeze=False)
     for ax, shape in zip(axes[0], shapes):
-        for routing, style in (("uniform", "-"), ("skewed", "--")):
+        for routing, style in (("uniform", "-"), ("skewed", "--"), ("concentrated", ":")):
             rs = sorted((r for r in rows if r["shape"] == shape and r["routing"] == routing), key=lambda r: r["tokens"])
             for label, color, value in series:
                 pts = [(r["tokens"], value(r)) for r in rs]

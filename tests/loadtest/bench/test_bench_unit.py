@@ -276,3 +276,20 @@ def test_l2_rates_needs_a_gpu(capsys, monkeypatch):
     monkeypatch.setattr(l2_rates.torch.cuda, "is_available", lambda: False)
     assert l2_rates.main([]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_concentrated_routing_sends_every_token_to_the_same_experts():
+    import torch
+
+    from mok_serve.loadtest.bench.harness import DEFAULT_ROUTINGS, ROUTINGS, floor_of, make_routing
+    from mok_serve.loadtest.bench.layer import parse_points
+
+    gen = torch.Generator().manual_seed(3)
+    w, ids = make_routing(64, 256, 8, "concentrated", gen, device="cpu")
+    assert ids.dtype == torch.int32 and ids.shape == (64, 8)
+    assert all(set(row.tolist()) == set(ids[0].tolist()) for row in ids) and len(set(ids[0].tolist())) == 8
+    assert len({tuple(row.tolist()) for row in ids}) > 1  # each token its own order
+    assert torch.allclose(w.sum(-1), torch.ones(64))
+    assert floor_of(64, 7168, 2048, 8, ids)["touched"] == 8
+    assert parse_points(["DeepSeek-V3:460:concentrated"]) == [("DeepSeek-V3", 460, "concentrated")]
+    assert "concentrated" in ROUTINGS and "concentrated" not in DEFAULT_ROUTINGS
