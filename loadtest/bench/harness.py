@@ -62,10 +62,11 @@ def make_routing(tokens, experts, top_k, routing, gen, device="cuda"):
     ``skewed``: half of all (token, k) assignments then set to expert 0 (duplicates allowed);
     ``concentrated``: every token to the same ``top_k`` experts, in its own order (the load vLLM's
     dummy weights gave DeepSeek-V3: every expert busy with all the tokens, or idle)."""
-    ids = torch.rand(tokens, experts, device=device, generator=gen).argsort(dim=1)[:, :top_k]
     if routing == "concentrated":
         same = torch.randperm(experts, device=device, generator=gen)[:top_k]
         ids = same[torch.rand(tokens, top_k, device=device, generator=gen).argsort(dim=1)]
+    else:
+        ids = torch.rand(tokens, experts, device=device, generator=gen).argsort(dim=1)[:, :top_k]
     if routing == "skewed":
         flat = ids.reshape(-1)
         pick = torch.randperm(flat.numel(), device=device, generator=gen)[: flat.numel() // 2]
