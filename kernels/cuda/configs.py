@@ -149,7 +149,7 @@ def pick_configs_fp8(tokens: int, top_k: int, num_local: int, hidden: int, inter
         while bn2 > (64 if swap else 32) and busy * triton.cdiv(hidden, bn2) < 264:
             bn2 //= 2
         if swap:
-            # As triton_moe's decode regime: weight columns on wgmma's M side, 16- or 32-row token
+            # As pick_configs' decode regime: weight columns on wgmma's M side, 16- or 32-row token
             # tiles, so the shared memory holds weight tiles and GEMM1 fits 6 stages (34-36 KB each).
             # Sweeps at 19e0e05 and 1ff7aa2 (git history: loadtest/results/sweep_fp8_swap_19e0e05.log at bc6ca55, git history: loadtest/results/sweep_fp8_m32_1ff7aa2.log at d7a715b,
             # DeepSeek-V3 and Kimi-K2, 1-512 tokens): 12-19% faster than 64-row tiles; 16 rows best up
@@ -167,6 +167,6 @@ def pick_configs_fp8(tokens: int, top_k: int, num_local: int, hidden: int, inter
 
 
 def kernel_variants_fp8(tokens: int, top_k: int, num_local: int, hidden: int, inter: int) -> tuple:
-    """As ``triton_moe.kernel_variants``, for ``fused_moe_fp8_triton``."""
+    """As ``kernel_variants``, for ``fused_moe_fp8_triton``."""
     g1, g2 = pick_configs_fp8(tokens, top_k, num_local, hidden, inter)
     return tuple(tuple(sorted(d.items())) for d in (schedule_block(tokens * top_k), g1, g2))

@@ -416,7 +416,7 @@ def _ep_fp8_gemm2_push_kernel(
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, GROUP_M: tl.constexpr,
     SWAP_AB: tl.constexpr, RNE_FIX: tl.constexpr, ELEM_BYTES: tl.constexpr, PDL: tl.constexpr,
 ):
-    """``triton_moe_fp8._fp8_gemm2_kernel`` (same arithmetic) with the push epilogue; launched by
+    """``cuda.moe_fp8``'s ``_fp8_gemm2_kernel`` (same arithmetic) with the push epilogue; launched by
     ``launch_fp8_gemm2``."""
     grid_dependency(PDL)
     in_use, pid_n, e, m0, count_e, start_e = expert_tile(

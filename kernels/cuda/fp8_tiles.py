@@ -68,7 +68,7 @@ def scaled_block_dot(a, b, sa, sb, acc, SWAP_AB: tl.constexpr):
     """``acc += (a @ b) * sa[:, None] * sb[None, :]`` for one 128-deep K block: ``a`` [rows, 128]
     e4m3 activations with per-row scales ``sa``, ``b`` [128, columns] e4m3 weights with per-column
     scales ``sb``. ``SWAP_AB`` keeps ``acc`` transposed and puts the weight columns on wgmma's M
-    side (``triton_moe._mma``); the products, their K order and the scaling (fp32 products commute)
+    side (``tiles.mma``); the products, their K order and the scaling (fp32 products commute)
     are the same."""
     if SWAP_AB:
         acc += tl.dot(tl.trans(b), tl.trans(a)) * (sb[:, None] * sa[None, :])
