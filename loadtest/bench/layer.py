@@ -245,6 +245,12 @@ SWEEP_POINTS = [
 ]
 
 
+def sweep_points(given, selected_shapes) -> list:
+    """The sweep's points: those given on the command line, every one of them (any shape of
+    configs/), else the default points of the shapes ``--shapes`` (or ``--fp8``) selects."""
+    return list(given) if given else [pt for pt in SWEEP_POINTS if pt[0] in selected_shapes]
+
+
 def sweep_variants(tokens, top_k, E, H, I):
     """Named (GEMM1, GEMM2) config pairs around the default: gate/up fused into one dot, TMA weights.
     The sweep also times the default with the kernels launched the ordinary way ("no PDL")."""
@@ -694,17 +700,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args, shapes, meta, out, log, clocks) -> int:
     t0 = time.time()
+    every_shape = load_shapes()  # points named on the command line may be any shape, whatever --shapes or --fp8 select
     if args.profile:
-        res = profile(shapes, args.profile, args.seed, log)
+        res = profile(every_shape, args.profile, args.seed, log)
         (out / f"{args.name}_profile.json").write_text(json.dumps(dict(meta=meta, results=res), indent=1))
         return 0
     if args.timeline:
-        res = timeline(shapes, args.timeline, args.seed, log, calls=args.timeline_calls, start=args.timeline_start)
+        res = timeline(every_shape, args.timeline, args.seed, log, calls=args.timeline_calls, start=args.timeline_start)
         (out / f"{args.name}_timeline.json").write_text(json.dumps(dict(meta=meta, results=res)))
         return 0
     if args.sweep:
-        points = args.sweep_points or SWEEP_POINTS
-        res = sweep(shapes, [pt for pt in points if pt[0] in shapes], args.seed, log, clocks,
+        res = sweep(every_shape, sweep_points(args.sweep_points, shapes), args.seed, log, clocks,
                     labels=args.sweep_labels, repeats=args.sweep_repeats, fp8=args.fp8)
         (out / f"{args.name}_sweep.json").write_text(json.dumps(dict(meta=meta, results=res), indent=1))
         log(f"sweep done in {time.time() - t0:.0f} s")

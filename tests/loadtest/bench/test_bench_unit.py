@@ -32,6 +32,16 @@ def test_layer_points_take_an_optional_routing():
         parse_points(["DeepSeek-V3:8192:hot"])
 
 
+def test_sweep_keeps_every_given_point_whatever_shapes_are_selected():
+    # --fp8 selects DeepSeek-V3 and Kimi-K2 for its table; a Qwen3 sweep point was once dropped silently.
+    from mok_serve.loadtest.bench.layer import SWEEP_POINTS, sweep_points
+
+    fp8_table = {"DeepSeek-V3": {}, "Kimi-K2": {}}
+    given = [("Qwen3-30B-A3B", 1, "uniform"), ("DeepSeek-V3", 8, "skewed")]
+    assert sweep_points(given, fp8_table) == given
+    assert sweep_points(None, fp8_table) == [pt for pt in SWEEP_POINTS if pt[0] != "Qwen3-30B-A3B"]
+
+
 def test_decode_sweep_times_the_one_launch_default_against_two_launches():
     from mok_serve.kernels.cuda.moe import one_launch_decode
     from mok_serve.loadtest.bench.layer import sweep_variants
