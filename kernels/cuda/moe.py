@@ -656,8 +656,8 @@ def fused_moe_triton(
     activation: str = "silu",
     pdl: bool | None = None,
     one_launch: bool | None = None,
-    _configs: tuple[dict, dict] | None = None,
-    _timeline: torch.Tensor | None = None,
+    configs: tuple[dict, dict] | None = None,
+    timeline: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The routed experts of one MoE layer (see ``reference.py``) in four Triton launches.
 
@@ -666,7 +666,7 @@ def fused_moe_triton(
     ``pdl``: launch with programmatic dependent launch (``pdl_launch``); ``one_launch``: both GEMMs
     as one launch at decode sizes (``one_launch_decode``); either left at ``None`` is read from the
     environment now (``env.py``: ``MOK_PDL``, ``MOK_DECODE_ONE_LAUNCH``, both on by default).
-    ``_configs`` overrides the block sizes (benchmark sweeps only); ``_timeline`` receives the
+    ``configs`` overrides the block sizes (benchmark sweeps, tests); ``timeline`` receives the
     one-launch decode kernel's per-item records (profiles only, see ``launch_decode_experts``).
     """
     bad_ids.raise_if_reported(hidden_states.device)
@@ -683,16 +683,16 @@ def fused_moe_triton(
     act = torch.empty((rows, inter), dtype=hidden_states.dtype, device=dev)
     y = torch.empty((rows, hidden), dtype=hidden_states.dtype, device=dev)
 
-    if _configs is None:
-        _configs = pick_configs(tokens, top_k, num_local, hidden, inter, one_launch=knob("one_launch", one_launch))
-    g1, g2 = _configs
+    if configs is None:
+        configs = pick_configs(tokens, top_k, num_local, hidden, inter, one_launch=knob("one_launch", one_launch))
+    g1, g2 = configs
     if one_launch_decode(g1, g2):
         sync = torch.empty(decode_sync_words(rows, num_local, g1["BLOCK_M"]), dtype=torch.int32, device=dev)
         launch_schedule(topk_ids, expert_map, counts, sorted_rows, num_local, num_global,
                         kernel=_moe_schedule_zero_kernel, extra_programs=1, extra_args=(sync, sync.numel()), pdl=pdl)
         launch_decode_experts(hidden_states, w13, w2, act, y, sorted_rows, counts, sync, rows, top_k, (g1, g2),
-                              interpret=interpret, timeline=_timeline, pdl=pdl)
-    elif _timeline is not None:
+                              interpret=interpret, timeline=timeline, pdl=pdl)
+    elif timeline is not None:
         raise ValueError("a timeline records the one-launch decode kernel, and this call's configs do not run it")
     else:
         launch_schedule(topk_ids, expert_map, counts, sorted_rows, num_local, num_global, pdl=pdl)

@@ -280,12 +280,12 @@ def fused_moe_fp8_triton(
     activation: str = "silu",
     block_shape=BLOCK_SHAPE,
     pdl: bool | None = None,
-    _configs: tuple[dict, dict] | None = None,
+    configs: tuple[dict, dict] | None = None,
 ) -> torch.Tensor:
     """The FP8 MoE layer's routed experts (see ``fp8.py``) in four Triton launches.
 
     No host synchronisation: ids' values are checked by the schedule kernel, as in
-    ``fused_moe_triton``, and ``pdl`` as there. ``_configs`` overrides the block sizes (benchmark sweeps).
+    ``fused_moe_triton``, and ``pdl`` as there. ``configs`` overrides the block sizes (benchmark sweeps).
     """
     bad_ids.raise_if_reported(hidden_states.device)
     bn_scale, bk_scale = check_fused_moe_fp8_args(
@@ -310,7 +310,7 @@ def fused_moe_fp8_triton(
     launch_fp8_schedule_quantize(
         hidden_states, xq, xs, topk_ids, expert_map, counts, sorted_rows, num_local, num_global, interpret=interpret, pdl=pdl
     )
-    g1, g2 = _configs if _configs is not None else pick_configs_fp8(tokens, top_k, num_local, hidden, inter)
+    g1, g2 = configs if configs is not None else pick_configs_fp8(tokens, top_k, num_local, hidden, inter)
     launch_fp8_gemm1(
         xq, xs, w13, w13_scale, act_q, act_s, sorted_rows, counts, rows, top_k, g1,
         in_dtype=dtype, scale_bn=bn_scale, interpret=interpret, pdl=pdl,

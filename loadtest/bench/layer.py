@@ -396,7 +396,7 @@ def sweep(shapes, points, seed, log, clocks, labels=None, repeats=1, fp8=False):
             variants = [v for v in variants if labels is None or v[0] in labels]
             for rep, (label, g1, g2, pdl) in ((r, v) for r in range(repeats) for v in variants):
                 try:
-                    fn = lambda: op(x, *weights, tw, ids, pdl=pdl, _configs=(g1, g2))  # noqa: E731
+                    fn = lambda: op(x, *weights, tw, ids, pdl=pdl, configs=(g1, g2))  # noqa: E731
                     got = fn()
                     err = rel_err(got, ref)
                     bitwise = bool(torch.equal(got, default_out))
@@ -529,7 +529,7 @@ TIMELINE_STARTS = ("cold", "clean", "translations", "warm")
 def timeline(shapes, points, seed, log, calls=5, start="cold"):
     """The one-launch decode kernel's own timeline at each (shape, tokens, routing) point: every
     work item's draw, ready and done times from ``%globaltimer`` (``fused_moe_triton(...,
-    _timeline=...)``), summarized by ``timeline_summary`` per call (each call begun as ``start``
+    timeline=...)``), summarized by ``timeline_summary`` per call (each call begun as ``start``
     says, see ``TIMELINE_STARTS``; the median over ``calls`` calls, and each call's). Returns one
     dict per point, with the records of its fastest and its slowest call."""
     from mok_serve.kernels.cuda import moe as tm
@@ -550,7 +550,7 @@ def timeline(shapes, points, seed, log, calls=5, start="cold"):
         gemm1_items, gemm2_items = tm.decode_items(tokens * K, E, H, I, configs)
         buf = torch.zeros(gemm1_items + gemm2_items, tm.TIMELINE_WORDS, dtype=torch.int64, device="cuda")
         flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
-        expect = fused_moe_triton(x, w13, w2, tw, ids, _configs=configs)
+        expect = fused_moe_triton(x, w13, w2, tw, ids, configs=configs)
         summaries, records_of = [], []
         pages = [w.view(-1)[:: (2 << 20) // w.element_size()] for w in (w13, w2)]
         for _ in range(calls + 1):  # the first call compiles the timeline kernel
@@ -561,7 +561,7 @@ def timeline(shapes, points, seed, log, calls=5, start="cold"):
             if start == "translations":
                 touched = [p.clone() for p in pages]  # noqa: F841 (a gather: one 2-byte read per 2 MiB page)
             buf.zero_()
-            out = fused_moe_triton(x, w13, w2, tw, ids, _configs=configs, _timeline=buf)
+            out = fused_moe_triton(x, w13, w2, tw, ids, configs=configs, timeline=buf)
             torch.cuda.synchronize()
             records = buf.cpu()
             summaries.append(timeline_summary(records, decode_item_bytes(records, gemm1_items, H, I), gemm1_items))

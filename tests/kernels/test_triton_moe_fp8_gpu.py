@@ -88,7 +88,7 @@ def test_tile_regimes_give_the_same_bits():
     for tokens in (3, 200):
         x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16, generator=g)
         tw, ids = routing(tokens, E, 8, gen=g)
-        outs = [poisoned_call(fused_moe_fp8_triton, x, *fp8, tw, ids, _configs=c) for c in regimes]
+        outs = [poisoned_call(fused_moe_fp8_triton, x, *fp8, tw, ids, configs=c) for c in regimes]
         assert all(torch.equal(o, outs[0]) for o in outs[1:]), tokens
 
 

@@ -116,7 +116,7 @@ def test_k_block_other_than_128_raises():
 def test_tile_configs_agree_bitwise(cfg):
     x, fp8, weights, ids = make(40, 128, 256, 4, 2, seed=9)
     g1, g2 = ({**c, "num_warps": 4, "num_stages": 2} for c in cfg)
-    out = tf.fused_moe_fp8_triton(x, *fp8, weights, ids, _configs=(g1, g2))
+    out = tf.fused_moe_fp8_triton(x, *fp8, weights, ids, configs=(g1, g2))
     assert torch.equal(out, tf.fused_moe_fp8_triton(x, *fp8, weights, ids))
 
 

@@ -155,7 +155,7 @@ def test_tile_regimes_give_the_same_bits():
         tw, ids = routing(tokens, E, 8, gen=g)
         decode = poisoned_call(fused_moe_triton, x, w13, w2, tw, ids)
         for configs in others:
-            assert torch.equal(fused_moe_triton(x, w13, w2, tw, ids, _configs=configs), decode), (tokens, configs)
+            assert torch.equal(fused_moe_triton(x, w13, w2, tw, ids, configs=configs), decode), (tokens, configs)
     # Swapped tiles with pointer weight loads (strided weights): the same bits as by TMA.
     E, H, I = 16, 512, 256
     w13 = torch.randn(E, 2 * I, 2 * H, device=DEV, dtype=torch.bfloat16, generator=g)[:, :, :H] / H**0.5
@@ -192,7 +192,7 @@ def test_decode_one_launch_gives_the_two_launches_bits():
 
 
 def test_decode_timeline_records_every_item_and_changes_no_bits():
-    """``_timeline`` (the profile's per-item records): one record per work item that has rows,
+    """``timeline`` (the profile's per-item records): one record per work item that has rows,
     drawn <= ready <= done on the GPU clock, GEMM1 items never waiting, and the same output bits."""
     g = torch.Generator(device=DEV).manual_seed(fresh_seed())
     w13, w2 = weights_for("Qwen3-30B-A3B")
@@ -203,8 +203,8 @@ def test_decode_timeline_records_every_item_and_changes_no_bits():
         configs = pick_configs(tokens, 8, E, H, two_i // 2, one_launch=True)
         n1, n2 = triton_moe.decode_items(tokens * 8, E, H, two_i // 2, configs)
         buf = torch.zeros(n1 + n2, triton_moe.TIMELINE_WORDS, dtype=torch.int64, device=DEV)
-        out = fused_moe_triton(x, w13, w2, tw, ids, _configs=configs, _timeline=buf)
-        assert torch.equal(out, fused_moe_triton(x, w13, w2, tw, ids, _configs=configs))
+        out = fused_moe_triton(x, w13, w2, tw, ids, configs=configs, timeline=buf)
+        assert torch.equal(out, fused_moe_triton(x, w13, w2, tw, ids, configs=configs))
         rec = buf.cpu()
         used = rec[:, 4] > 0  # an item's columns
         in_use_tiles = int(torch.unique(ids).numel())  # one 16-row tile per expert with rows at <= 8 rows
@@ -219,7 +219,7 @@ def test_decode_timeline_records_every_item_and_changes_no_bits():
         assert bool((rec[:n1][used[:n1], 0] == rec[:n1][used[:n1], 1]).all())
         assert int(r[:, 2].max() - r[:, 0].min()) < 10**7  # within 10 ms
     with pytest.raises(ValueError, match="one-launch decode kernel"):
-        fused_moe_triton(x, w13, w2, tw, ids, _configs=pick_configs(8, 8, E, H, two_i // 2), _timeline=buf)
+        fused_moe_triton(x, w13, w2, tw, ids, configs=pick_configs(8, 8, E, H, two_i // 2), timeline=buf)
 
 
 def test_nan_stays_in_its_token():

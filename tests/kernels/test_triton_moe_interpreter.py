@@ -102,7 +102,7 @@ def test_strided_int64_ids_and_bf16_weights():
 def test_tile_configs_agree(cfg):
     x, w13, w2, weights, ids = make_inputs(40, 48, 24, 4, 2, torch.float32, seed=9)
     g1, g2 = ({**c, "num_warps": 4, "num_stages": 2} for c in cfg)
-    out = tm.fused_moe_triton(x, w13, w2, weights, ids, _configs=(g1, g2))
+    out = tm.fused_moe_triton(x, w13, w2, weights, ids, configs=(g1, g2))
     ref = fused_moe_reference(x, w13, w2, weights, ids)
     assert rel_err(out, ref) <= TOL[torch.float32]
 
@@ -214,10 +214,10 @@ def test_decode_narrow_gemm2_tail_gives_the_same_bits():
     ids[:, 0] = 0
     g1, g2 = tm.pick_configs(10, 2, 6, 160, 24, one_launch=True)
     wide = (g1, dict(g2, BLOCK_N=128))
-    expect = tm.fused_moe_triton(x, w13, w2, weights, ids, _configs=wide)
+    expect = tm.fused_moe_triton(x, w13, w2, weights, ids, configs=wide)
     assert rel_err(expect, fused_moe_reference(x, w13, w2, weights, ids)) <= TOL[torch.float32]
     for narrow in (1, 2, 3, 50):  # 50: more than the row tiles in use, so all of them narrow
-        got = tm.fused_moe_triton(x, w13, w2, weights, ids, _configs=(g1, dict(wide[1], NARROW_TAIL=narrow)))
+        got = tm.fused_moe_triton(x, w13, w2, weights, ids, configs=(g1, dict(wide[1], NARROW_TAIL=narrow)))
         # The interpreter's tl.dot is numpy's matmul, whose summation order depends on the tile's
         # width on some CPUs (AVX-512: the last bits differ): same tiles written, fp32 rounding apart.
         # The compiled kernels give the same bits (tests/kernels/test_triton_moe_gpu.py).
@@ -254,6 +254,6 @@ def test_decode_timeline_needs_compiled_code_and_the_grid_shape():
     items = sum(tm.decode_items(6, 4, 32, 16, configs))
     buf = torch.zeros(items, tm.TIMELINE_WORDS, dtype=torch.int64)
     with pytest.raises(ValueError, match="compiled CUDA code only"):
-        tm.fused_moe_triton(x, w13, w2, weights, ids, _configs=configs, _timeline=buf)
+        tm.fused_moe_triton(x, w13, w2, weights, ids, configs=configs, timeline=buf)
     with pytest.raises(ValueError, match="one-launch decode kernel"):
-        tm.fused_moe_triton(x, w13, w2, weights, ids, _configs=tm.pick_configs(3, 2, 4, 32, 16), _timeline=buf)
+        tm.fused_moe_triton(x, w13, w2, weights, ids, configs=tm.pick_configs(3, 2, 4, 32, 16), timeline=buf)
