@@ -43,7 +43,7 @@ dense FP8 rate measured in the same run (``torch._scaled_mm``, 16384 x 7168 x 40
 
 ``main(argv)`` is the entry point (``mok-loadtest layer``; ``--shapes``, ``--tokens`` and
 ``--routing`` pick a subset); ``--sweep`` times block-size variants
-of kittens at a few points instead, ``--profile`` splits a call's device time by kernel,
+of kittens at a few points instead, ``--profile`` splits a call's device time by kernel, ``--host-profile`` an eager call's host time by function,
 ``--timeline`` records the one-launch decode kernel's work items in time, and ``--replot
 RESULT.json`` rewrites an earlier run's Markdown and plot from its JSON (no GPU; JSONs of runs
 before the vLLM and eager columns replot without them). ``--l2-flush read`` empties the L2
@@ -467,6 +467,72 @@ def profile(shapes, points, seed, log, calls=10):
     return results
 
 
+def host_profile_rows(stats: dict, calls: int, top: int = 25) -> dict:
+    """The ``top`` functions of a ``pstats.Stats(...).stats`` table by own time and by cumulative
+    time, per call of the profiled op (``calls`` calls profiled): ``{"own": [...], "cumulative":
+    [...]}``, each entry ``dict(function="file.py:LINE(name)", calls_per_call, own_us, cum_us)``."""
+    rows = []
+    for (path, line, func), (_, ncalls, own, cum, _) in stats.items():
+        where = f"{pathlib.Path(path).name}:{line}({func})" if line else func
+        rows.append(dict(function=where, calls_per_call=ncalls / calls, own_us=own / calls * 1e6, cum_us=cum / calls * 1e6))
+    return {"own": sorted(rows, key=lambda r: -r["own_us"])[:top],
+            "cumulative": sorted(rows, key=lambda r: -r["cum_us"])[:top]}
+
+
+def host_profile(shapes, points, seed, log, calls=100):
+    """Where an eager call's host time goes, at each (shape, tokens, routing) point: kittens'
+    ``fused_moe_triton`` (and vLLM's Triton ``fused_experts`` where vLLM imports) called ``calls``
+    times back to back from Python with no synchronisation in between, first timed plainly (host
+    microseconds per call), then under cProfile (``host_profile_rows``). The GPU drains the queue
+    behind the host, so this is the host's cost as long as the GPU's time per call is the smaller
+    (decode sizes); where it is not, the host waits for queue slots and the figure says so.
+    Returns one dict per point."""
+    import cProfile
+    import pstats
+
+    from mok_serve.kernels.cuda.moe import fused_moe_triton
+
+    vllm_fm, _ = load_vllm_moe()
+    results = []
+    for name, tokens, routing in points:
+        s = shapes[name]
+        E, H, I, K = s["routed_experts"], s["hidden"], s["moe_intermediate"], s["top_k"]
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        w13, w2 = random_experts(E, H, I, gen)
+        x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+        tw, ids = make_routing(tokens, E, K, routing, gen)
+        impls = {"kittens": lambda: fused_moe_triton(x, w13, w2, tw, ids)}
+        if vllm_fm is not None:
+            run_vllm = vllm_experts(vllm_fm, w13, w2)
+            impls["vllm"] = lambda: run_vllm(x, tw, ids)
+        point = dict(shape=name, tokens=tokens, routing=routing, calls=calls, impls={})
+        for impl, fn in impls.items():
+            for _ in range(3):  # compile and warm every lazy set-up
+                fn()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            host_us = (time.perf_counter() - t0) / calls * 1e6
+            torch.cuda.synchronize()
+            gpu_us = (time.perf_counter() - t0) / calls * 1e6
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(calls):
+                fn()
+            prof.disable()
+            torch.cuda.synchronize()
+            table = host_profile_rows(pstats.Stats(prof).stats, calls)
+            point["impls"][impl] = dict(host_us=host_us, host_and_drain_us=gpu_us, **table)
+            top = "; ".join(f"{r['function']} {r['own_us']:.1f}" for r in table["own"][:8])
+            log(f"HOST {name:16s} T={tokens:5d} {routing:7s} {impl:8s} {host_us:6.1f} us/call on the host "
+                f"({gpu_us:6.1f} with the GPU drained); own time, us/call: {top}")
+        results.append(point)
+        del w13, w2
+        torch.cuda.empty_cache()
+    return results
+
+
 def decode_item_bytes(records: torch.Tensor, gemm1_items: int, hidden: int, inter: int, elem_bytes=2) -> torch.Tensor:
     """Weight bytes each work item of a recorded one-launch decode call read, from its record's
     columns (GEMM1 items, the first ``gemm1_items``: gate and up rows of ``hidden``; GEMM2's:
@@ -624,6 +690,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeline", nargs="*", metavar="SHAPE:TOKENS[:ROUTING]", default=None,
                    help="instead: the one-launch decode kernel's per-item timeline (%%globaltimer) at these decode "
                    "points: steady read rate, time lost to its ramp and tail, GEMM2 waits")
+    p.add_argument("--host-profile", nargs="*", metavar="SHAPE:TOKENS[:ROUTING]", default=None,
+                   help="instead: where an eager call's host time goes (cProfile of back-to-back calls), kittens and "
+                   "vLLM's fused_experts where vLLM imports, at these points (routing as for --sweep-points)")
+    p.add_argument("--host-calls", type=int, default=100, help="calls per implementation and point of --host-profile")
     p.add_argument("--l2-flush", choices=L2_FLUSHES, default="write",
                    help="how the L2 is emptied before each timed replay: zero a 256 MiB buffer (write, as "
                    "triton.testing.do_bench; its dirty lines are written back during the replay) or read one (read)")
@@ -650,12 +720,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {src.with_suffix('.md')} and {src.with_suffix('.png')}")
         return 0
     try:  # bad points fail here, before any GPU work
-        for key in ("profile", "sweep_points", "timeline"):
+        for key in ("profile", "host_profile", "sweep_points", "timeline"):
             if getattr(args, key):
                 setattr(args, key, parse_points(getattr(args, key)))
     except ValueError as exc:
         p.error(str(exc))
-    unknown = {pt[0] for pt in (args.profile or []) + (args.sweep_points or []) + (args.timeline or [])} - set(load_shapes())
+    named = (args.profile or []) + (args.host_profile or []) + (args.sweep_points or []) + (args.timeline or [])
+    unknown = {pt[0] for pt in named} - set(load_shapes())
     if unknown:
         p.error(f"unknown shape(s) {', '.join(sorted(unknown))}; known: {', '.join(load_shapes())}")
     if not torch.cuda.is_available():
@@ -704,6 +775,10 @@ def run(args, shapes, meta, out, log, clocks) -> int:
     if args.profile:
         res = profile(every_shape, args.profile, args.seed, log)
         (out / f"{args.name}_profile.json").write_text(json.dumps(dict(meta=meta, results=res), indent=1))
+        return 0
+    if args.host_profile:
+        res = host_profile(every_shape, args.host_profile, args.seed, log, calls=args.host_calls)
+        (out / f"{args.name}_host_profile.json").write_text(json.dumps(dict(meta=meta, results=res), indent=1))
         return 0
     if args.timeline:
         res = timeline(every_shape, args.timeline, args.seed, log, calls=args.timeline_calls, start=args.timeline_start)

@@ -42,6 +42,34 @@ def test_sweep_keeps_every_given_point_whatever_shapes_are_selected():
     assert sweep_points(None, fp8_table) == [pt for pt in SWEEP_POINTS if pt[0] != "Qwen3-30B-A3B"]
 
 
+def test_host_profile_rows_rank_functions_per_profiled_call():
+    import cProfile
+    import pstats
+    import time
+
+    from mok_serve.loadtest.bench.layer import host_profile_rows
+
+    def slow():
+        time.sleep(0.002)
+
+    def op():
+        slow()
+        sum(range(10))
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(5):
+        op()
+    prof.disable()
+    table = host_profile_rows(pstats.Stats(prof).stats, calls=5, top=3)
+    assert len(table["own"]) == len(table["cumulative"]) == 3
+    assert "sleep" in table["own"][0]["function"] and table["own"][0]["calls_per_call"] == 1.0
+    assert table["own"][0]["own_us"] >= 2000
+    by_name = {r["function"].split("(")[-1]: r for r in table["cumulative"]}
+    assert by_name["op)"]["cum_us"] >= by_name["slow)"]["cum_us"] >= 2000
+    assert [r["own_us"] for r in table["own"]] == sorted((r["own_us"] for r in table["own"]), reverse=True)
+
+
 def test_decode_sweep_times_the_one_launch_default_against_two_launches():
     from mok_serve.kernels.cuda.moe import one_launch_decode
     from mok_serve.loadtest.bench.layer import sweep_variants
