@@ -43,12 +43,12 @@ def cc_major(device_index: int) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
 
 
-def pdl_launch(t: torch.Tensor, pdl: bool | None = None) -> dict:
+def pdl_launch(t: torch.Tensor, pdl: bool | None = None, interpret: bool | None = None) -> dict:
     """The launch keywords of a kernel on ``t``'s device: ``PDL`` (the kernel's constexpr) and
     ``launch_pdl``, both on for compiled code on Hopper and newer when ``pdl`` is (default: the
     ``pdl`` knob, ``MOK_PDL``, read now; programmatic dependent launch for every kernel of a call,
-    see ``grid_dependency``)."""
-    on = knob("pdl", pdl) and t.is_cuda and not interpreting() and cc_major(t.device.index or 0) >= 9
+    see ``grid_dependency``). ``interpret``: the call's ``interpreting()``, read now if not given."""
+    on = knob("pdl", pdl) and t.is_cuda and not knob("interpret", interpret) and cc_major(t.device.index or 0) >= 9
     return dict(PDL=on, launch_pdl=on)
 
 

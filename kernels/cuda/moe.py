@@ -460,7 +460,7 @@ def launch_gemm1(
         TOPK=top_k, E_PAD=e_pad(num_local),
         EVEN_K=hidden % g["BLOCK_K"] == 0, EVEN_N=inter % bn == 0,
         DOT_IEEE=act.dtype == torch.float32 or interpret, DOT_F32=interpret,
-        **pdl_launch(act, pdl), **extra_constexprs, **g,
+        **pdl_launch(act, pdl, interpret), **extra_constexprs, **g,
     )
 
 
@@ -496,7 +496,7 @@ def launch_gemm2(
         E_PAD=e_pad(num_local),
         EVEN_K=inter % g["BLOCK_K"] == 0, EVEN_N=hidden % bn == 0,
         DOT_IEEE=act.dtype == torch.float32 or interpret, DOT_F32=interpret,
-        **pdl_launch(act, pdl), **extra_constexprs, **g,
+        **pdl_launch(act, pdl, interpret), **extra_constexprs, **g,
     )
 
 
@@ -610,7 +610,7 @@ def launch_decode_experts(
         BLOCK_N2=bn2, BLOCK_K2=bk2, STAGES2=g2["num_stages"], EVEN_K2=inter % bk2 == 0, EVEN_N2=hidden % bn2 == 0,
         USE_TMA2=g2["USE_TMA"], NARROW_N2=narrow_n2,
         DOT_IEEE=act.dtype == torch.float32 or interpret, DOT_F32=interpret, SWAP_AB=g1.get("SWAP_AB", False),
-        TIMELINE=timeline is not None, num_warps=g1["num_warps"], num_stages=g1["num_stages"], **pdl_launch(act, pdl),
+        TIMELINE=timeline is not None, num_warps=g1["num_warps"], num_stages=g1["num_stages"], **pdl_launch(act, pdl, interpret),
     )
 
 
@@ -636,7 +636,7 @@ def launch_combine(
         hidden, num_global, num_local,
         topk_ids.stride(0), topk_ids.stride(1), topk_weights.stride(0), topk_weights.stride(1), out.stride(0),
         TOPK=topk_ids.shape[1], HAS_MAP=has_map, BLOCK_H=block_h, RNE_FIX=interpret, num_warps=4,
-        **pdl_launch(out, pdl),
+        **pdl_launch(out, pdl, interpret),
     )
 
 

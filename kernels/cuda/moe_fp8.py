@@ -221,7 +221,7 @@ def launch_fp8_gemm1(
         num_local, hidden, inter, num_m,
         w13.stride(0), w13.stride(1), w13.stride(2), w13_scale.stride(0), w13_scale.stride(1), w13_scale.stride(2),
         IN_DTYPE=_TL_DTYPES[in_dtype], TOPK=top_k, E_PAD=e_pad(num_local), SCALE_BN=scale_bn,
-        EVEN_K=hidden % GROUP == 0, EVEN_N=inter % GROUP == 0, RNE_FIX=interpret, **pdl_launch(act_q, pdl), **g,
+        EVEN_K=hidden % GROUP == 0, EVEN_N=inter % GROUP == 0, RNE_FIX=interpret, **pdl_launch(act_q, pdl, interpret), **g,
     )
 
 
@@ -257,7 +257,7 @@ def launch_fp8_gemm2(
         w2.stride(0), w2.stride(1), w2.stride(2), w2_scale.stride(0), w2_scale.stride(1), w2_scale.stride(2),
         *extra_args,
         E_PAD=e_pad(num_local), SCALE_BN=scale_bn,
-        EVEN_K=inter % GROUP == 0, EVEN_N=hidden % bn == 0, RNE_FIX=interpret, **pdl_launch(act_q, pdl),
+        EVEN_K=inter % GROUP == 0, EVEN_N=hidden % bn == 0, RNE_FIX=interpret, **pdl_launch(act_q, pdl, interpret),
         **extra_constexprs, **g,
     )
 
