@@ -479,13 +479,15 @@ def host_profile_rows(stats: dict, calls: int, top: int = 25) -> dict:
             "cumulative": sorted(rows, key=lambda r: -r["cum_us"])[:top]}
 
 
-def host_profile(shapes, points, seed, log, calls=100):
+def host_profile(shapes, points, seed, log, calls=100, repeats=7):
     """Where an eager call's host time goes, at each (shape, tokens, routing) point: kittens'
     ``fused_moe_triton`` (and vLLM's Triton ``fused_experts`` where vLLM imports) called ``calls``
-    times back to back from Python with no synchronisation in between, first timed plainly (host
-    microseconds per call), then under cProfile (``host_profile_rows``). The GPU drains the queue
-    behind the host, so this is the host's cost as long as the GPU's time per call is the smaller
-    (decode sizes); where it is not, the host waits for queue slots and the figure says so.
+    times back to back from Python with no synchronisation in between, timed plainly ``repeats``
+    times, the implementations interleaved (host microseconds per call: median, min and max of the
+    repeats; the same code varied by up to 2x between runs on the H200 machine's host), then once
+    under cProfile (``host_profile_rows``). The GPU drains the queue behind the host, so this is
+    the host's cost as long as the GPU's time per call is the smaller (decode sizes); where it is
+    not, the host waits for queue slots, and the time with the GPU drained says so.
     Returns one dict per point."""
     import cProfile
     import pstats
@@ -505,17 +507,22 @@ def host_profile(shapes, points, seed, log, calls=100):
         if vllm_fm is not None:
             run_vllm = vllm_experts(vllm_fm, w13, w2)
             impls["vllm"] = lambda: run_vllm(x, tw, ids)
-        point = dict(shape=name, tokens=tokens, routing=routing, calls=calls, impls={})
-        for impl, fn in impls.items():
+        point = dict(shape=name, tokens=tokens, routing=routing, calls=calls, repeats=repeats, impls={})
+        for fn in impls.values():
             for _ in range(3):  # compile and warm every lazy set-up
                 fn()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            host_us = (time.perf_counter() - t0) / calls * 1e6
-            torch.cuda.synchronize()
-            gpu_us = (time.perf_counter() - t0) / calls * 1e6
+        torch.cuda.synchronize()
+        host, drained = {impl: [] for impl in impls}, {impl: [] for impl in impls}
+        for _ in range(repeats):
+            for impl, fn in impls.items():
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                host[impl].append((time.perf_counter() - t0) / calls * 1e6)
+                torch.cuda.synchronize()
+                drained[impl].append((time.perf_counter() - t0) / calls * 1e6)
+        for impl, fn in impls.items():
+            host_us, gpu_us = statistics.median(host[impl]), statistics.median(drained[impl])
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(calls):
@@ -523,10 +530,11 @@ def host_profile(shapes, points, seed, log, calls=100):
             prof.disable()
             torch.cuda.synchronize()
             table = host_profile_rows(pstats.Stats(prof).stats, calls)
-            point["impls"][impl] = dict(host_us=host_us, host_and_drain_us=gpu_us, **table)
+            point["impls"][impl] = dict(host_us=host_us, host_us_repeats=host[impl], host_and_drain_us=gpu_us, **table)
             top = "; ".join(f"{r['function']} {r['own_us']:.1f}" for r in table["own"][:8])
             log(f"HOST {name:16s} T={tokens:5d} {routing:7s} {impl:8s} {host_us:6.1f} us/call on the host "
-                f"({gpu_us:6.1f} with the GPU drained); own time, us/call: {top}")
+                f"(repeats {min(host[impl]):.1f}-{max(host[impl]):.1f}; {gpu_us:6.1f} with the GPU drained); "
+                f"own time under cProfile, us/call: {top}")
         results.append(point)
         del w13, w2
         torch.cuda.empty_cache()
@@ -693,7 +701,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-profile", nargs="*", metavar="SHAPE:TOKENS[:ROUTING]", default=None,
                    help="instead: where an eager call's host time goes (cProfile of back-to-back calls), kittens and "
                    "vLLM's fused_experts where vLLM imports, at these points (routing as for --sweep-points)")
-    p.add_argument("--host-calls", type=int, default=100, help="calls per implementation and point of --host-profile")
+    p.add_argument("--host-calls", type=int, default=100, help="calls per timed block of --host-profile (7 blocks per implementation and point)")
     p.add_argument("--l2-flush", choices=L2_FLUSHES, default="write",
                    help="how the L2 is emptied before each timed replay: zero a 256 MiB buffer (write, as "
                    "triton.testing.do_bench; its dirty lines are written back during the replay) or read one (read)")
@@ -761,8 +769,10 @@ def main(argv: list[str] | None = None) -> int:
         "L2 flushed before each replay by reading 256 MiB (clean lines: no write-back inside the timed replay)",
         peak_flops=PEAK_FLOPS, peak_bytes=PEAK_BYTES, vllm=_vllm_version(),
     )
-    clocks = ClockSampler(None) if args.no_clocks else ClockSampler.for_cuda_device(torch.cuda.current_device())
-    meta["clock_sampling"] = "NVML every 5 ms" if clocks.available else "off" if args.no_clocks else "unavailable"
+    # The host profile runs without the sampler: its thread would take the GIL from the timed calls.
+    sampled = not (args.no_clocks or args.host_profile)
+    clocks = ClockSampler.for_cuda_device(torch.cuda.current_device()) if sampled else ClockSampler(None)
+    meta["clock_sampling"] = "NVML every 5 ms" if clocks.available else "off" if not sampled else "unavailable"
     try:
         return run(args, shapes, meta, out, log, clocks)
     finally:
