@@ -293,6 +293,11 @@ def sweep_variants(tokens, top_k, E, H, I):
             ("g2 s4", d1, v(d2, num_stages=4)),
             ("g2 n/2", d1, v(d2, BLOCK_N=max(64, bn2 // 2))),
             ("g2 n*2", d1, v(d2, BLOCK_N=min(256, bn2 * 2))),
+            # Token tiles of 32 and 64 rows: an expert with more than 16 rows (every token on the
+            # same experts, --routing concentrated) re-reads its weights per 16-row tile; wider
+            # tiles cost padding and shared memory where loads are even.
+            ("m32", v(d1, BLOCK_M=32, num_stages=4), v(d2, BLOCK_M=32)),
+            ("m64", v(d1, BLOCK_M=64, num_stages=3), v(d2, BLOCK_M=64)),
         ]
         if bn2 >= 128:
             # The last R row tiles in use run GEMM2 at half width, so the last items drawn are short.
@@ -308,6 +313,12 @@ def sweep_variants(tokens, top_k, E, H, I):
             ("g1 n*2", v(d1, BLOCK_N=min(128, bn1 * 2)), d2),
             ("g2 n/2", d1, v(d2, BLOCK_N=max(16, bn2 // 2))),
             ("g2 n*2", d1, v(d2, BLOCK_N=min(256, bn2 * 2))),
+            # The next regime's 128-row tiles: fewer re-reads of an expert's weights where its rows
+            # are many more than the average (--routing concentrated).
+            ("m128 tiles", dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=d1["BLOCK_K"], num_warps=8, num_stages=4, USE_TMA=True,
+                                GROUP_M=4, HALF_TAIL=True),
+             dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=d2["BLOCK_K"], num_warps=8, num_stages=4, USE_TMA=True, GROUP_M=4,
+                  HALF_TAIL=True)),
             # Operands swapped with 16-row token tiles, as at decode (18-44% slower at 16-32 rows
             # per expert in the sweep at 5767485).
             ("swapped", v(d1, BLOCK_M=16, SWAP_AB=True, BLOCK_K=128, num_stages=6, BLOCK_N=max(32, bn1)),

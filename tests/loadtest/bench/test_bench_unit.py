@@ -42,6 +42,18 @@ def test_sweep_keeps_every_given_point_whatever_shapes_are_selected():
     assert sweep_points(None, fp8_table) == [pt for pt in SWEEP_POINTS if pt[0] != "Qwen3-30B-A3B"]
 
 
+def test_sweeps_offer_wider_token_tiles_for_concentrated_loads():
+    from mok_serve.kernels.cuda.configs import pick_configs
+    from mok_serve.loadtest.bench.layer import sweep_variants
+
+    decode = {label: (g1, g2) for label, g1, g2 in sweep_variants(256, 8, 256, 7168, 2048)}  # 8 rows per expert
+    assert [decode[m][0]["BLOCK_M"] for m in ("default", "m32", "m64")] == [16, 32, 64]
+    assert all(decode[m][0]["BLOCK_M"] == decode[m][1]["BLOCK_M"] for m in ("m32", "m64"))
+    streaming = {label: (g1, g2) for label, g1, g2 in sweep_variants(1024, 8, 256, 7168, 2048)}  # 32 rows
+    assert streaming["default"][0]["BLOCK_M"] == 64
+    assert streaming["m128 tiles"] == pick_configs(4096, 8, 256, 7168, 2048)  # the 128-row regime's 4-stage tiles
+
+
 def test_host_profile_rows_rank_functions_per_profiled_call():
     import cProfile
     import pstats
