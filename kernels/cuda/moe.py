@@ -71,6 +71,7 @@ from .tiles import (
     grid_dependency,
     moe_schedule_kernel,
     now,
+    program_tile,
     scatter_rows,
     tile_of,
     tile_rows,
@@ -234,7 +235,7 @@ def _moe_decode_experts_kernel(
     BLOCK_N2: tl.constexpr, BLOCK_K2: tl.constexpr, STAGES2: tl.constexpr, EVEN_K2: tl.constexpr,
     EVEN_N2: tl.constexpr, USE_TMA2: tl.constexpr, NARROW_N2: tl.constexpr,
     DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr, SWAP_AB: tl.constexpr, PDL: tl.constexpr,
-    TIMELINE: tl.constexpr,
+    TIMELINE: tl.constexpr, GROUP_M1: tl.constexpr,
 ):
     """GEMM1 and GEMM2 in one launch (decode sizes): no grid-wide barrier between them, so the
     weight stream does not drain and refill at the boundary, and GEMM2 tiles fill the SMs that
@@ -246,7 +247,10 @@ def _moe_decode_experts_kernel(
     a CTA barrier, so every thread's ``act`` stores are ordered before it); a GEMM2 tile waits
     (acquire, bounded by ``max_polls``) until all GEMM1 column tiles of its row tile are done.
     A wait that runs out, which only a bug could cause, sets the error word and writes NaN into
-    the tile's rows instead of hanging or computing on unwritten data. With ``NARROW_N2`` (0: off)
+    the tile's rows instead of hanging or computing on unwritten data. GEMM1 items go in
+    ``program_tile`` order: ``GROUP_M1`` row tiles sweep the column tiles together, so the row
+    tiles of an expert with many rows read each weight tile at about the same time (from HBM once)
+    instead of one after another. With ``NARROW_N2`` (0: off)
     the last ``narrow_m`` row tiles in use take GEMM2 items ``NARROW_N2`` columns wide
     (``w2_narrow_desc``'s boxes). Each tile's arithmetic is that of the two-launch kernels, so the
     bits are the same. ``TIMELINE`` records each item's
@@ -257,17 +261,16 @@ def _moe_decode_experts_kernel(
     num_n1 = tl.cdiv(I, BLOCK_N1)
     gemm1_items = num_m * num_n1
     if item < gemm1_items:
-        in_use, pid_n, e, m0, count_e, start_e = expert_tile(
-            item, counts_ptr, num_local, num_m, I, BLOCK_N1, E_PAD, BLOCK_M, 1
-        )
-        if in_use:
+        pid_m, pid_n = program_tile(item, num_m, num_n1, GROUP_M1)
+        total, e, m0, count_e, start_e = tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M)
+        if pid_m < total:
             _gemm1_rows(
                 x_ptr, w13_ptr, w13_desc, act_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
                 stride_xt, stride_xh, stride_w13e, stride_w13n, stride_w13k,
                 TOPK, BLOCK_M, BLOCK_N1, BLOCK_K1, EVEN_K1, EVEN_N1, DOT_IEEE, DOT_F32, USE_TMA1, SWAP_AB, STAGES1,
             )
             tl.debug_barrier()
-            tl.atomic_add(sync_ptr + _SYNC_TILES + item // num_n1, 1, sem="release", scope="gpu")
+            tl.atomic_add(sync_ptr + _SYNC_TILES + pid_m, 1, sem="release", scope="gpu")
             if TIMELINE:
                 _timeline_record(timeline_ptr, item, t_start, t_start, tl.minimum(BLOCK_N1, I - pid_n * BLOCK_N1))
     elif item < gemm1_items + (num_m + narrow_m) * tl.cdiv(H, BLOCK_N2):  # (a ticket past the last item does nothing)
@@ -610,7 +613,8 @@ def launch_decode_experts(
         BLOCK_N2=bn2, BLOCK_K2=bk2, STAGES2=g2["num_stages"], EVEN_K2=inter % bk2 == 0, EVEN_N2=hidden % bn2 == 0,
         USE_TMA2=g2["USE_TMA"], NARROW_N2=narrow_n2,
         DOT_IEEE=act.dtype == torch.float32 or interpret, DOT_F32=interpret, SWAP_AB=g1.get("SWAP_AB", False),
-        TIMELINE=timeline is not None, num_warps=g1["num_warps"], num_stages=g1["num_stages"], **pdl_launch(act, pdl, interpret),
+        TIMELINE=timeline is not None, GROUP_M1=g1.get("GROUP_M", 1), num_warps=g1["num_warps"], num_stages=g1["num_stages"],
+        **pdl_launch(act, pdl, interpret),
     )
 
 

@@ -298,6 +298,10 @@ def sweep_variants(tokens, top_k, E, H, I):
             # tiles cost padding and shared memory where loads are even.
             ("m32", v(d1, BLOCK_M=32, num_stages=4), v(d2, BLOCK_M=32)),
             ("m64", v(d1, BLOCK_M=64, num_stages=3), v(d2, BLOCK_M=64)),
+            # GEMM1 items in groups of row tiles (program_tile): an expert's row tiles read each
+            # weight tile together, from HBM once, where it has many.
+            ("g1 group4", v(d1, GROUP_M=4), d2),
+            ("g1 group16", v(d1, GROUP_M=16), d2),
         ]
         if bn2 >= 128:
             # The last R row tiles in use run GEMM2 at half width, so the last items drawn are short.
@@ -313,6 +317,7 @@ def sweep_variants(tokens, top_k, E, H, I):
             ("g1 n*2", v(d1, BLOCK_N=min(128, bn1 * 2)), d2),
             ("g2 n/2", d1, v(d2, BLOCK_N=max(16, bn2 // 2))),
             ("g2 n*2", d1, v(d2, BLOCK_N=min(256, bn2 * 2))),
+            ("group4", v(d1, GROUP_M=4), v(d2, GROUP_M=4)),
             # The next regime's 128-row tiles: fewer re-reads of an expert's weights where its rows
             # are many more than the average (--routing concentrated).
             ("m128 tiles", dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=d1["BLOCK_K"], num_warps=8, num_stages=4, USE_TMA=True,

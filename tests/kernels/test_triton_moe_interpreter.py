@@ -207,6 +207,22 @@ def test_decode_one_launch_gives_the_two_launches_bits(dtype):
     assert torch.equal(out[0], torch.zeros_like(out[0]))
 
 
+def test_decode_grouped_gemm1_items_give_the_same_bits():
+    # GROUP_M row tiles sweep GEMM1's column tiles together (the order of the work items, not their
+    # arithmetic). Expert 0 has 36 rows (three 16-row tiles), expert 1 20 (two): groups straddle
+    # experts and the unused row tiles past the last one in use.
+    x, w13, w2, weights, ids = make_inputs(36, 48, 80, 16, 3, torch.float32, seed=25)
+    ids[:, 0] = 0
+    ids[:20, 1] = 1
+    g1, g2 = tm.pick_configs(36, 3, 16, 48, 80, one_launch=True)
+    assert tm.one_launch_decode(g1, g2) and g1["BLOCK_M"] == 16 and 80 // g1["BLOCK_N"] >= 2
+    expect = tm.fused_moe_triton(x, w13, w2, weights, ids, configs=(g1, g2))
+    assert rel_err(expect, fused_moe_reference(x, w13, w2, weights, ids)) <= TOL[torch.float32]
+    for group in (2, 3, 4, 16, 64):
+        got = tm.fused_moe_triton(x, w13, w2, weights, ids, configs=(dict(g1, GROUP_M=group), g2))
+        assert torch.equal(got, expect), group
+
+
 def test_decode_narrow_gemm2_tail_gives_the_same_bits():
     # hidden 160: GEMM2 in two 128-column tiles (the second 32 wide) or, for the last row tiles
     # in use, three 64-column ones (the last 32 wide). Expert 0 has 20 rows: two row tiles.
