@@ -439,6 +439,17 @@ def sweep(shapes, points, seed, log, clocks, labels=None, repeats=1, fp8=False):
     return results
 
 
+def point_inputs(shape: dict, tokens: int, routing: str, seed: int):
+    """``(w13, w2, x, tw, ids)`` of one (shape, tokens, routing) point of the profiles and the
+    timeline: bf16 experts, activations and top-k routing, all drawn from one generator seeded
+    with ``seed``."""
+    E, H, I, K = shape["routed_experts"], shape["hidden"], shape["moe_intermediate"], shape["top_k"]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w13, w2 = random_experts(E, H, I, gen)
+    x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+    return (w13, w2, x, *make_routing(tokens, E, K, routing, gen))
+
+
 def profile(shapes, points, seed, log, calls=10):
     """Where one kittens call's time goes, at each (shape, tokens, routing) point: each
     kernel's mean device time per call under ``torch.profiler`` (eager calls, L2 flushed before
@@ -454,10 +465,7 @@ def profile(shapes, points, seed, log, calls=10):
     for name, tokens, routing in points:
         s = shapes[name]
         E, H, I, K = s["routed_experts"], s["hidden"], s["moe_intermediate"], s["top_k"]
-        gen = torch.Generator(device="cuda").manual_seed(seed)
-        w13, w2 = random_experts(E, H, I, gen)
-        x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, generator=gen)
-        tw, ids = make_routing(tokens, E, K, routing, gen)
+        w13, w2, x, tw, ids = point_inputs(s, tokens, routing, seed)
         fn = lambda: fused_moe_triton(x, w13, w2, tw, ids)  # noqa: E731
         graph_ms, _, _ = graph_time(fn, rep_ms=40)
         flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
@@ -514,11 +522,7 @@ def host_profile(shapes, points, seed, log, calls=100, repeats=7):
     results = []
     for name, tokens, routing in points:
         s = shapes[name]
-        E, H, I, K = s["routed_experts"], s["hidden"], s["moe_intermediate"], s["top_k"]
-        gen = torch.Generator(device="cuda").manual_seed(seed)
-        w13, w2 = random_experts(E, H, I, gen)
-        x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, generator=gen)
-        tw, ids = make_routing(tokens, E, K, routing, gen)
+        w13, w2, x, tw, ids = point_inputs(s, tokens, routing, seed)
         impls = {"kittens": lambda: fused_moe_triton(x, w13, w2, tw, ids)}
         if vllm_fm is not None:
             run_vllm = vllm_experts(vllm_fm, w13, w2)
@@ -633,10 +637,7 @@ def timeline(shapes, points, seed, log, calls=5, start="cold"):
         if not tm.one_launch_decode(*configs):
             log(f"TIMELINE {name} T={tokens}: not a one-launch decode size, skipped")
             continue
-        gen = torch.Generator(device="cuda").manual_seed(seed)
-        w13, w2 = random_experts(E, H, I, gen)
-        x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, generator=gen)
-        tw, ids = make_routing(tokens, E, K, routing, gen)
+        w13, w2, x, tw, ids = point_inputs(s, tokens, routing, seed)
         gemm1_items, gemm2_items = tm.decode_items(tokens * K, E, H, I, configs)
         buf = torch.zeros(gemm1_items + gemm2_items, tm.TIMELINE_WORDS, dtype=torch.int64, device="cuda")
         flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
