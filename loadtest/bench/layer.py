@@ -318,12 +318,10 @@ def sweep_variants(tokens, top_k, E, H, I):
             ("g2 n/2", d1, v(d2, BLOCK_N=max(16, bn2 // 2))),
             ("g2 n*2", d1, v(d2, BLOCK_N=min(256, bn2 * 2))),
             ("group4", v(d1, GROUP_M=4), v(d2, GROUP_M=4)),
-            # The next regime's 128-row tiles: fewer re-reads of an expert's weights where its rows
-            # are many more than the average (--routing concentrated).
-            ("m128 tiles", dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=d1["BLOCK_K"], num_warps=8, num_stages=4, USE_TMA=True,
-                                GROUP_M=4, HALF_TAIL=True),
-             dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=d2["BLOCK_K"], num_warps=8, num_stages=4, USE_TMA=True, GROUP_M=4,
-                  HALF_TAIL=True)),
+            # The next regime's 128-row tiles (pick_configs' at 96 rows per expert): fewer re-reads
+            # of an expert's weights where its rows are many more than the average (--routing
+            # concentrated).
+            ("m128 tiles", *pick_configs(-(-96 * E // top_k), top_k, E, H, I)),
             # Operands swapped with 16-row token tiles, as at decode (18-44% slower at 16-32 rows
             # per expert in the sweep at 5767485).
             ("swapped", v(d1, BLOCK_M=16, SWAP_AB=True, BLOCK_K=128, num_stages=6, BLOCK_N=max(32, bn1)),
@@ -542,7 +540,7 @@ def host_profile(shapes, points, seed, log, calls=100, repeats=7):
                 torch.cuda.synchronize()
                 drained[impl].append((time.perf_counter() - t0) / calls * 1e6)
         for impl, fn in impls.items():
-            host_us, gpu_us = statistics.median(host[impl]), statistics.median(drained[impl])
+            host_us, drained_us = statistics.median(host[impl]), statistics.median(drained[impl])
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(calls):
@@ -550,10 +548,10 @@ def host_profile(shapes, points, seed, log, calls=100, repeats=7):
             prof.disable()
             torch.cuda.synchronize()
             table = host_profile_rows(pstats.Stats(prof).stats, calls)
-            point["impls"][impl] = dict(host_us=host_us, host_us_repeats=host[impl], host_and_drain_us=gpu_us, **table)
+            point["impls"][impl] = dict(host_us=host_us, host_us_repeats=host[impl], host_and_drain_us=drained_us, **table)
             top = "; ".join(f"{r['function']} {r['own_us']:.1f}" for r in table["own"][:8])
             log(f"HOST {name:16s} T={tokens:5d} {routing:7s} {impl:8s} {host_us:6.1f} us/call on the host "
-                f"(repeats {min(host[impl]):.1f}-{max(host[impl]):.1f}; {gpu_us:6.1f} with the GPU drained); "
+                f"(repeats {min(host[impl]):.1f}-{max(host[impl]):.1f}; {drained_us:6.1f} with the GPU drained); "
                 f"own time under cProfile, us/call: {top}")
         results.append(point)
         del w13, w2
