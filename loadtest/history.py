@@ -1,12 +1,13 @@
 """Every benchmark result as data: ``loadtest/results/history.csv``, one row per measured value.
 
 Long format (as Liger-Kernel keeps its benchmark results): a run of ``mok-loadtest layer``
-(``layer_bench``), ``ep`` (``ep_bench``), ``cpu_layer_bench``, ``serve`` or ``merge`` appends its
-rows at the end; past runs' rows were converted from their JSON/CSV results. Columns (``COLUMNS``):
+(``layer_bench``; with ``--sweep`` ``layer_bench_sweep``), ``ep`` (``ep_bench``), ``cpu_layer_bench``,
+``serve`` or ``merge`` appends its rows at the end; past runs' rows were converted from their JSON/CSV
+results. Columns (``COLUMNS``):
 
 - ``date`` (ISO time of the run), ``commit`` (``provenance.git_commit``), ``benchmark``
-  (``layer_bench``, ``layer_bench_fp8``, ``ep_bench``, ``ep_bench_fp8``, ``cpu_layer_bench``,
-  ``cpu_layer_bench_server``, ``serve``), ``gpu`` (the device; the CPU model for CPU benchmarks),
+  (``layer_bench``, ``layer_bench_fp8``, ``layer_bench_sweep[_fp8]``, ``ep_bench``, ``ep_bench_fp8``,
+  ``cpu_layer_bench``, ``cpu_layer_bench_server``, ``serve``), ``gpu`` (the device; the CPU model for CPU benchmarks),
   ``versions`` (``torch=... triton=... vllm=...``, what the run recorded);
 - ``shape`` (model shape of ``configs/model_shapes.json``, tiny family, or served model name),
   ``tokens_or_load`` (x: tokens per call; for serving runs ``c=N`` or ``rate=R``),
@@ -142,6 +143,29 @@ def layer_bench_rows(meta: dict[str, Any], rows: list[dict[str, Any]], benchmark
         out.append(_row(base, "floor", "floor_ms", r.get("floor_ms"), "ms"))
         out.append(_row(base, "kittens", "x_floor", r.get("ratio_to_floor"), "x"))
         out.append(_row(base, "kittens", "sm_mhz", ((r.get("clock") or {}).get("kittens") or {}).get("sm_mhz"), "MHz"))
+    return [r for r in out if r]
+
+
+def sweep_rows(meta: dict[str, Any], results: list[dict[str, Any]], benchmark: str = "layer_bench_sweep") -> list[dict]:
+    """Rows of a ``layer_bench --sweep`` JSON result (``{"meta", "results"}``): each variant's
+    ``time_ms`` per repeat (config ``variant=LABEL repeat=N``, provider ``kittens``), the SM clock
+    while it ran (``sm_mhz``), and each point's ``floor_ms`` once. A variant whose output differed
+    from the default's bits is kept out: its time is no result (the sweep logs it)."""
+    common = dict(date=_date(meta.get("date")), commit=meta.get("commit"), benchmark=benchmark, gpu=meta.get("gpu"),
+                  versions=versions(meta))
+    out: list[dict | None] = []
+    floors = set()
+    for r in results:
+        base = {**common, "shape": r["shape"], "tokens_or_load": r["tokens"], "routing": r["routing"]}
+        point = (r["shape"], r["tokens"], r["routing"])
+        if point not in floors:
+            floors.add(point)
+            out.append(_row({**base, "config": ""}, "floor", "floor_ms", r.get("floor_ms"), "ms"))
+        if not r.get("bitwise_vs_default", True):
+            continue
+        variant = {**base, "config": f"variant={r['label']} repeat={r.get('repeat', 0)}"}
+        out.append(_row(variant, "kittens", "time_ms", r.get("ms"), "ms"))
+        out.append(_row(variant, "kittens", "sm_mhz", (r.get("clock") or {}).get("sm_mhz"), "MHz"))
     return [r for r in out if r]
 
 

@@ -813,6 +813,8 @@ def run(args, shapes, meta, out, log, clocks) -> int:
         res = sweep(every_shape, sweep_points(args.sweep_points, shapes), args.seed, log, clocks,
                     labels=args.sweep_labels, repeats=args.sweep_repeats, fp8=args.fp8)
         (out / f"{args.name}_sweep.json").write_text(json.dumps(dict(meta=meta, results=res), indent=1))
+        history.write(history.sweep_rows(meta, res, "layer_bench_sweep_fp8" if args.fp8 else "layer_bench_sweep"),
+                      history.resolve(args), "layer_bench sweep")
         log(f"sweep done in {time.time() - t0:.0f} s")
         return 0
     meta["read_tb_s"] = read_bandwidth()

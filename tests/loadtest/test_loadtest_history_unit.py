@@ -103,3 +103,21 @@ def test_serve_and_merge_append_rows_for_both_servers(fake_server, tmp_path):
     serve(url, "third", tmp_path / "third", "--history", str(hist))  # a serve run appends its own server's rows
     rows = read(hist)
     assert len(rows) > n and {r["provider"] for r in rows[n:]} == {"third"}
+
+
+def test_sweep_rows_keep_one_floor_per_point_and_drop_variants_with_other_bits():
+    meta = {**LAYER_META, "vllm": None}
+    point = {"shape": "DeepSeek-V3", "tokens": 256, "routing": "concentrated", "floor_ms": 0.16,
+             "clock": {"sm_mhz": 1980.0}}
+    results = [{**point, "label": "default", "repeat": 0, "ms": 1.5, "bitwise_vs_default": True},
+               {**point, "label": "m64", "repeat": 0, "ms": 0.75, "bitwise_vs_default": True},
+               {**point, "label": "m64", "repeat": 1, "ms": 0.76, "bitwise_vs_default": True},
+               {**point, "label": "broken", "repeat": 0, "ms": 0.1, "bitwise_vs_default": False}]
+    rows = history.sweep_rows(meta, results)
+    times = {r["config"]: r["value"] for r in rows if r["metric"] == "time_ms"}
+    assert times == {"variant=default repeat=0": 1.5, "variant=m64 repeat=0": 0.75, "variant=m64 repeat=1": 0.76}
+    floors = [r for r in rows if r["metric"] == "floor_ms"]
+    assert [(f["provider"], f["value"], f["config"]) for f in floors] == [("floor", 0.16, "")]
+    assert {r["benchmark"] for r in rows} == {"layer_bench_sweep"}
+    assert {r["versions"] for r in rows} == {"torch=2.11.0 triton=3.6.0"}
+    assert sum(r["metric"] == "sm_mhz" for r in rows) == 3
