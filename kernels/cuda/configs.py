@@ -72,7 +72,16 @@ def _pick_configs(tokens: int, top_k: int, num_local: int, hidden: int, inter: i
             # on four shapes, e.g. Qwen3-235B-A22B skewed 0.068 vs 0.071 ms, git history: loadtest/results/sweep_tail_3e74f2c.log at 70c7c60;
             # 2 tokens within 1 us either way, 8 tokens tie, git history: loadtest/results/sweep_two_70c7c60.log at e533052).
             g2["NARROW_TAIL"] = 2
-        return dict(BLOCK_N=bn1, BLOCK_K=kdim_block(hidden, 128), num_stages=stages1, **tile), g2
+        g1 = dict(BLOCK_N=bn1, BLOCK_K=kdim_block(hidden, 128), num_stages=stages1, **tile)
+        if one_launch:
+            # GEMM1 items in groups of 4 row tiles per column tile (program_tile): an expert whose
+            # rows fill several 16-row tiles reads each weight tile about once for the group. Sweep
+            # at a8ceab5 (3 repeats, history.csv): DeepSeek-V3 with every token on the same experts
+            # 4% faster at 64 tokens and 7% at 256; uniform routing within 0.2% at 8-256 tokens on
+            # DeepSeek-V3 and Qwen3-30B-A3B. 16-row groups gained more there (12% at 256) but cost
+            # 0.9% at 256 uniform.
+            g1["GROUP_M"] = 4
+        return g1, g2
     bk1, bk2 = kdim_block(hidden), kdim_block(inter)
     if avg <= 48:
         # Weight streaming: fill 132 SMs with narrow column tiles. 4 stages fit more programs per

@@ -298,9 +298,9 @@ def sweep_variants(tokens, top_k, E, H, I):
             # tiles cost padding and shared memory where loads are even.
             ("m32", v(d1, BLOCK_M=32, num_stages=4), v(d2, BLOCK_M=32)),
             ("m64", v(d1, BLOCK_M=64, num_stages=3), v(d2, BLOCK_M=64)),
-            # GEMM1 items in groups of row tiles (program_tile): an expert's row tiles read each
-            # weight tile together, from HBM once, where it has many.
-            ("g1 group4", v(d1, GROUP_M=4), d2),
+            # GEMM1 items in groups of row tiles (program_tile; default 4): an expert's row tiles
+            # read each weight tile together, from HBM once, where it has many.
+            ("g1 group1", v(d1, GROUP_M=1), d2),
             ("g1 group16", v(d1, GROUP_M=16), d2),
         ]
         if bn2 >= 128:
