@@ -235,7 +235,7 @@ def _moe_decode_experts_kernel(
     BLOCK_N2: tl.constexpr, BLOCK_K2: tl.constexpr, STAGES2: tl.constexpr, EVEN_K2: tl.constexpr,
     EVEN_N2: tl.constexpr, USE_TMA2: tl.constexpr, NARROW_N2: tl.constexpr,
     DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr, SWAP_AB: tl.constexpr, PDL: tl.constexpr,
-    TIMELINE: tl.constexpr, GROUP_M1: tl.constexpr,
+    TIMELINE: tl.constexpr, GROUP_M1: tl.constexpr, GROUP_M2: tl.constexpr,
 ):
     """GEMM1 and GEMM2 in one launch (decode sizes): no grid-wide barrier between them, so the
     weight stream does not drain and refill at the boundary, and GEMM2 tiles fill the SMs that
@@ -250,8 +250,8 @@ def _moe_decode_experts_kernel(
     the tile's rows instead of hanging or computing on unwritten data. GEMM1 items go in
     ``program_tile`` order: ``GROUP_M1`` row tiles sweep the column tiles together, so the row
     tiles of an expert with many rows read each weight tile at about the same time (from HBM once)
-    instead of one after another. With ``NARROW_N2`` (0: off)
-    the last ``narrow_m`` row tiles in use take GEMM2 items ``NARROW_N2`` columns wide
+    instead of one after another; GEMM2's full-width items likewise with ``GROUP_M2``. With
+    ``NARROW_N2`` (0: off) the last ``narrow_m`` row tiles in use take GEMM2 items ``NARROW_N2`` columns wide
     (``w2_narrow_desc``'s boxes). Each tile's arithmetic is that of the two-launch kernels, so the
     bits are the same. ``TIMELINE`` records each item's
     times (``_timeline_record``) for the profile, without changing what is computed."""
@@ -277,18 +277,19 @@ def _moe_decode_experts_kernel(
         item2 = item - gemm1_items
         num_n2 = tl.cdiv(H, BLOCK_N2)
         if NARROW_N2 == 0:
-            wide_items = num_m * num_n2
+            wide_m = num_m  # (an upper bound: items of row tiles past the last in use do nothing)
         else:
             # The last ``narrow_m`` row tiles in use run GEMM2 in NARROW_N2-wide column tiles, so
             # the items drawn last are short and the grid's tail drains sooner.
             total = tile_of(0, counts_ptr, num_local, E_PAD, BLOCK_M)[0]
-            wide_items = tl.maximum(total - narrow_m, 0) * num_n2
+            wide_m = tl.maximum(total - narrow_m, 0)
+        wide_items = wide_m * num_n2
         if item2 < wide_items:
-            pid_m = item2 // num_n2
+            pid_m, pid_n = program_tile(item2, wide_m, num_n2, GROUP_M2)
             total, e, m0, count_e, start_e = tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M)
             _decode_gemm2_item(
                 act_ptr, w2_ptr, w2_desc, y_ptr, sorted_rows_ptr, sync_ptr, timeline_ptr, item, t_start,
-                pid_m < total, pid_m, item2 % num_n2, e, m0, count_e, start_e, num_n1, H, I, max_polls,
+                pid_m < total, pid_m, pid_n, e, m0, count_e, start_e, num_n1, H, I, max_polls,
                 stride_w2e, stride_w2n, stride_w2k,
                 BLOCK_M, BLOCK_N2, BLOCK_K2, STAGES2, EVEN_K2, EVEN_N2, USE_TMA2, DOT_IEEE, DOT_F32, SWAP_AB, TIMELINE,
             )
@@ -613,7 +614,8 @@ def launch_decode_experts(
         BLOCK_N2=bn2, BLOCK_K2=bk2, STAGES2=g2["num_stages"], EVEN_K2=inter % bk2 == 0, EVEN_N2=hidden % bn2 == 0,
         USE_TMA2=g2["USE_TMA"], NARROW_N2=narrow_n2,
         DOT_IEEE=act.dtype == torch.float32 or interpret, DOT_F32=interpret, SWAP_AB=g1.get("SWAP_AB", False),
-        TIMELINE=timeline is not None, GROUP_M1=g1.get("GROUP_M", 1), num_warps=g1["num_warps"], num_stages=g1["num_stages"],
+        TIMELINE=timeline is not None, GROUP_M1=g1.get("GROUP_M", 1), GROUP_M2=g2.get("GROUP_M", 1),
+        num_warps=g1["num_warps"], num_stages=g1["num_stages"],
         **pdl_launch(act, pdl, interpret),
     )
 

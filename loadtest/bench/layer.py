@@ -302,6 +302,8 @@ def sweep_variants(tokens, top_k, E, H, I):
             # read each weight tile together, from HBM once, where it has many.
             ("g1 group1", v(d1, GROUP_M=1), d2),
             ("g1 group16", v(d1, GROUP_M=16), d2),
+            ("g2 group4", d1, v(d2, GROUP_M=4)),
+            ("g2 group16", d1, v(d2, GROUP_M=16)),
         ]
         if bn2 >= 128:
             # The last R row tiles in use run GEMM2 at half width, so the last items drawn are short.

@@ -89,7 +89,7 @@ for shape, H, I, E, K in (("ds", 7168, 2048, 256, 8), ("qwen30", 2048, 768, 128,
                   dict(TOPK=K, E_PAD=E, BLOCK_M=g1["BLOCK_M"], SWAP_AB=True, DOT_IEEE=False, DOT_F32=False, PDL=True,
                        TIMELINE=timeline, BLOCK_N1=bn1, BLOCK_K1=bk1, STAGES1=g1["num_stages"], EVEN_K1=True, EVEN_N1=True, USE_TMA1=True,
                        BLOCK_N2=bn2, BLOCK_K2=bk2, STAGES2=g2["num_stages"], EVEN_K2=True, EVEN_N2=True, USE_TMA2=True,
-                       NARROW_N2=narrow_n2, GROUP_M1=g1.get("GROUP_M", 1)),
+                       NARROW_N2=narrow_n2, GROUP_M1=g1.get("GROUP_M", 1), GROUP_M2=g2.get("GROUP_M", 1)),
                   g1["num_warps"], g1["num_stages"])
 print(json.dumps(results))
 """

@@ -224,6 +224,29 @@ def test_decode_grouped_gemm1_items_give_the_same_bits():
         assert torch.equal(got, expect), group
 
 
+def test_decode_grouped_gemm2_items_give_the_same_bits():
+    # GEMM2's full-width items in groups of row tiles (program_tile), alone and before a narrow
+    # tail: the order changes, not the arithmetic. Expert 0 has 36 rows (three 16-row tiles),
+    # expert 1 20 (two); hidden 160 in 64-column tiles: three column tiles, the last 32 wide.
+    x, w13, w2, weights, ids = make_inputs(36, 160, 48, 16, 3, torch.float32, seed=27)
+    ids[:, 0] = 0
+    ids[:20, 1] = 1
+    g1, g2 = tm.pick_configs(36, 3, 16, 160, 48, one_launch=True)
+    assert tm.one_launch_decode(g1, g2) and g2["BLOCK_M"] == 16
+    g2 = dict(g2, BLOCK_N=64, NARROW_TAIL=0)
+    expect = tm.fused_moe_triton(x, w13, w2, weights, ids, configs=(g1, g2))
+    assert rel_err(expect, fused_moe_reference(x, w13, w2, weights, ids)) <= TOL[torch.float32]
+    for group in (2, 3, 16):
+        got = tm.fused_moe_triton(x, w13, w2, weights, ids, configs=(g1, dict(g2, GROUP_M=group)))
+        assert torch.equal(got, expect), group
+    # With a narrow tail the grouped items are the row tiles before the last two in use.
+    wide = dict(g2, BLOCK_N=128)
+    tail = tm.fused_moe_triton(x, w13, w2, weights, ids, configs=(g1, dict(wide, NARROW_TAIL=2)))
+    for group in (2, 3):
+        got = tm.fused_moe_triton(x, w13, w2, weights, ids, configs=(g1, dict(wide, NARROW_TAIL=2, GROUP_M=group)))
+        assert torch.equal(got, tail), ("narrow tail", group)
+
+
 def test_decode_narrow_gemm2_tail_gives_the_same_bits():
     # hidden 160: GEMM2 in two 128-column tiles (the second 32 wide) or, for the last row tiles
     # in use, three 64-column ones (the last 32 wide). Expert 0 has 20 rows: two row tiles.
