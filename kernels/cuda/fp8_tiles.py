@@ -27,13 +27,14 @@ def max_nan(a, b):
 def to_fp8(x, RNE_FIX: tl.constexpr):
     """fp32 -> e4m3, round to nearest even. The interpreter (``RNE_FIX``) rounds this cast wrongly
     (no carry into the exponent, ties away), so round to the e4m3 grid in fp32 first: normals keep 3
-    mantissa bits, subnormals (< 2**-6) snap to multiples of 2**-9, keeping the sign of zero; the
-    cast is then exact."""
+    mantissa bits, subnormals (< 2**-6) snap to multiples of 2**-9, keeping the sign (of zero too:
+    set by bits, since Triton 3.7's interpreter negates 0.0 to +0.0); the cast is then exact."""
     if RNE_FIX:
         bits = x.to(tl.uint32, bitcast=True)
         normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
-        subnormal = (tl.abs(x) + 24576.0) - 24576.0  # 1.5 * 2**14: fp32 spacing 2**-9 around it
-        x = tl.where(tl.abs(x) < 0.015625, tl.where(x < 0, -subnormal, subnormal), normal)
+        magnitude = (tl.abs(x) + 24576.0) - 24576.0  # 1.5 * 2**14: fp32 spacing 2**-9 around it
+        subnormal = (magnitude.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
+        x = tl.where(tl.abs(x) < 0.015625, subnormal, normal)
     return x.to(tl.float8e4nv)
 
 

@@ -1,7 +1,7 @@
 """The Triton FP8 MoE kernels' logic on the CPU, under the Triton interpreter, at tiny sizes.
 
 The interpreter runs fp8 dots (it widens e4m3 to fp16, exactly) but rounds fp32 -> e4m3 casts
-wrongly, which the kernels correct under ``RNE_FIX`` (see ``triton_moe_fp8._to_fp8``). Skipped on
+wrongly, which the kernels correct under ``RNE_FIX`` (see ``kernels/cuda/fp8_tiles.to_fp8``). Skipped on
 machines with CUDA, where the GPU tests cover the compiled kernels.
 """
 
@@ -14,12 +14,20 @@ if torch.cuda.is_available():
     pytest.skip("interpreter tests run on CPU-only machines", allow_module_level=True)
 os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
+tl = triton.language
 
 from mok_serve.kernels import fused_moe_fp8_reference  # noqa: E402
 from mok_serve.kernels.fp8 import dequantize_fp8_groups, quantize_fp8_groups  # noqa: E402
 from moe_test_utils import interpreted_cuda_modules, make_fp8_inputs, rel_err  # noqa: E402
 
 tm, tf, _ = interpreted_cuda_modules()
+from mok_serve.kernels.cuda import fp8_tiles  # noqa: E402  (reloaded with interpreted kernels above)
+
+
+@triton.jit
+def cast_kernel(x_ptr, y_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(y_ptr + offs, fp8_tiles.to_fp8(tl.load(x_ptr + offs), True))
 
 
 def make(tokens, hidden, inter, experts, top_k, dtype=torch.bfloat16, seed=0, num_global=None, block=(128, 128)):
@@ -28,6 +36,25 @@ def make(tokens, hidden, inter, experts, top_k, dtype=torch.bfloat16, seed=0, nu
         tokens, hidden, inter, experts, top_k, dtype, seed, num_global, block, weight_dtype=torch.float32
     )
     return x, fp8, weights, ids
+
+
+def test_to_fp8_is_torchs_e4m3_cast_bit_for_bit_signed_zeros_and_subnormals_too():
+    # What quantization can produce (|x| <= 448): normals, ties, carries into the exponent,
+    # subnormals and values that round to zero, of both signs, and -0.0. (Triton 3.7's interpreter
+    # negates 0.0 to +0.0, so the sign is set by bits.)
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(2048, generator=g) * torch.logspace(-12, 2.3, 2048)).clamp(-448, 448)
+    grid = torch.tensor([0.0, -0.0, 2.0**-10, -(2.0**-10), 2.0**-9 * 1.5, -(2.0**-9) * 2.5, 448.0, -448.0, 0.0087])
+    x = torch.cat([x, grid, x.neg()]).float()
+    y = torch.empty(x.numel(), dtype=torch.float8_e4m3fn)
+    n = triton.next_power_of_2(x.numel())
+    padded = torch.zeros(n)
+    padded[: x.numel()] = x
+    out = torch.empty(n, dtype=torch.float8_e4m3fn)
+    cast_kernel[(1,)](padded, out, N=n)
+    y = out[: x.numel()]
+    assert torch.equal(y.view(torch.uint8), x.to(torch.float8_e4m3fn).view(torch.uint8))
+    assert torch.signbit(y[x.numel() - 2048 - 9 + 1].float())  # -0.0 stays -0.0
 
 
 def test_quantize_pass_is_the_torch_quantization_bit_for_bit():
