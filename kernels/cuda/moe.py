@@ -75,6 +75,7 @@ from .tiles import (
     scatter_rows,
     tile_of,
     tile_rows,
+    two_height_tile_of,
 )
 
 __all__ = [
@@ -236,6 +237,7 @@ def _moe_decode_experts_kernel(
     EVEN_N2: tl.constexpr, USE_TMA2: tl.constexpr, NARROW_N2: tl.constexpr,
     DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr, SWAP_AB: tl.constexpr, PDL: tl.constexpr,
     TIMELINE: tl.constexpr, GROUP_M1: tl.constexpr, GROUP_M2: tl.constexpr,
+    HEAVY_M: tl.constexpr, HEAVY_STAGES1: tl.constexpr, HEAVY_STAGES2: tl.constexpr,
 ):
     """GEMM1 and GEMM2 in one launch (decode sizes): no grid-wide barrier between them, so the
     weight stream does not drain and refill at the boundary, and GEMM2 tiles fill the SMs that
@@ -253,7 +255,9 @@ def _moe_decode_experts_kernel(
     instead of one after another; GEMM2's full-width items likewise with ``GROUP_M2``. With
     ``NARROW_N2`` (0: off) the last ``narrow_m`` row tiles in use take GEMM2 items ``NARROW_N2`` columns wide
     (``w2_narrow_desc``'s boxes). Each tile's arithmetic is that of the two-launch kernels, so the
-    bits are the same. ``TIMELINE`` records each item's
+    bits are the same. ``HEAVY_M`` (0: off): an expert with more than ``BLOCK_M`` rows runs in
+    tiles of ``HEAVY_M`` rows (``two_height_tile_of``; pipelines ``HEAVY_STAGES1``/``2`` deep),
+    so it reads its weights once per ``HEAVY_M`` rows. ``TIMELINE`` records each item's
     times (``_timeline_record``) for the profile, without changing what is computed."""
     grid_dependency(PDL)
     item = tl.atomic_add(sync_ptr + _SYNC_TICKET, 1, sem="relaxed")
@@ -262,13 +266,27 @@ def _moe_decode_experts_kernel(
     gemm1_items = num_m * num_n1
     if item < gemm1_items:
         pid_m, pid_n = program_tile(item, num_m, num_n1, GROUP_M1)
-        total, e, m0, count_e, start_e = tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M)
+        total, e, m0, count_e, start_e, heavy = _decode_tile(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M, HEAVY_M)
         if pid_m < total:
-            _gemm1_rows(
-                x_ptr, w13_ptr, w13_desc, act_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
-                stride_xt, stride_xh, stride_w13e, stride_w13n, stride_w13k,
-                TOPK, BLOCK_M, BLOCK_N1, BLOCK_K1, EVEN_K1, EVEN_N1, DOT_IEEE, DOT_F32, USE_TMA1, SWAP_AB, STAGES1,
-            )
+            if HEAVY_M > 0:
+                if heavy:
+                    _gemm1_rows(
+                        x_ptr, w13_ptr, w13_desc, act_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
+                        stride_xt, stride_xh, stride_w13e, stride_w13n, stride_w13k, TOPK, HEAVY_M, BLOCK_N1,
+                        BLOCK_K1, EVEN_K1, EVEN_N1, DOT_IEEE, DOT_F32, USE_TMA1, SWAP_AB, HEAVY_STAGES1,
+                    )
+                else:
+                    _gemm1_rows(
+                        x_ptr, w13_ptr, w13_desc, act_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
+                        stride_xt, stride_xh, stride_w13e, stride_w13n, stride_w13k, TOPK, BLOCK_M, BLOCK_N1,
+                        BLOCK_K1, EVEN_K1, EVEN_N1, DOT_IEEE, DOT_F32, USE_TMA1, SWAP_AB, STAGES1,
+                    )
+            else:
+                _gemm1_rows(
+                    x_ptr, w13_ptr, w13_desc, act_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
+                    stride_xt, stride_xh, stride_w13e, stride_w13n, stride_w13k,
+                    TOPK, BLOCK_M, BLOCK_N1, BLOCK_K1, EVEN_K1, EVEN_N1, DOT_IEEE, DOT_F32, USE_TMA1, SWAP_AB, STAGES1,
+                )
             tl.debug_barrier()
             tl.atomic_add(sync_ptr + _SYNC_TILES + pid_m, 1, sem="release", scope="gpu")
             if TIMELINE:
@@ -281,42 +299,56 @@ def _moe_decode_experts_kernel(
         else:
             # The last ``narrow_m`` row tiles in use run GEMM2 in NARROW_N2-wide column tiles, so
             # the items drawn last are short and the grid's tail drains sooner.
-            total = tile_of(0, counts_ptr, num_local, E_PAD, BLOCK_M)[0]
+            total = _decode_tile(0, counts_ptr, num_local, E_PAD, BLOCK_M, HEAVY_M)[0]
             wide_m = tl.maximum(total - narrow_m, 0)
         wide_items = wide_m * num_n2
         if item2 < wide_items:
             pid_m, pid_n = program_tile(item2, wide_m, num_n2, GROUP_M2)
-            total, e, m0, count_e, start_e = tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M)
+            total, e, m0, count_e, start_e, heavy = _decode_tile(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M, HEAVY_M)
             _decode_gemm2_item(
                 act_ptr, w2_ptr, w2_desc, y_ptr, sorted_rows_ptr, sync_ptr, timeline_ptr, item, t_start,
-                pid_m < total, pid_m, pid_n, e, m0, count_e, start_e, num_n1, H, I, max_polls,
+                pid_m < total, heavy, pid_m, pid_n, e, m0, count_e, start_e, num_n1, H, I, max_polls,
                 stride_w2e, stride_w2n, stride_w2k,
                 BLOCK_M, BLOCK_N2, BLOCK_K2, STAGES2, EVEN_K2, EVEN_N2, USE_TMA2, DOT_IEEE, DOT_F32, SWAP_AB, TIMELINE,
+                HEAVY_M, HEAVY_STAGES2,
             )
         elif NARROW_N2 > 0:
             narrow = item2 - wide_items
             pid_m = wide_items // num_n2 + narrow // tl.cdiv(H, NARROW_N2)
-            total, e, m0, count_e, start_e = tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M)
+            total, e, m0, count_e, start_e, heavy = _decode_tile(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M, HEAVY_M)
             _decode_gemm2_item(
                 act_ptr, w2_ptr, w2_narrow_desc, y_ptr, sorted_rows_ptr, sync_ptr, timeline_ptr, item, t_start,
-                pid_m < total, pid_m, narrow % tl.cdiv(H, NARROW_N2), e, m0, count_e, start_e, num_n1, H, I,
+                pid_m < total, heavy, pid_m, narrow % tl.cdiv(H, NARROW_N2), e, m0, count_e, start_e, num_n1, H, I,
                 max_polls, stride_w2e, stride_w2n, stride_w2k,
                 BLOCK_M, NARROW_N2, BLOCK_K2, STAGES2, EVEN_K2, H % NARROW_N2 == 0, USE_TMA2, DOT_IEEE, DOT_F32,
-                SWAP_AB, TIMELINE,
+                SWAP_AB, TIMELINE, HEAVY_M, HEAVY_STAGES2,
             )
+
+
+@triton.jit
+def _decode_tile(pid_m, counts_ptr, num_local, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, HEAVY_M: tl.constexpr):
+    """``tile_of`` (``HEAVY_M`` 0) or ``two_height_tile_of``, with whether the tile is heavy."""
+    if HEAVY_M > 0:
+        total, e, m0, count_e, start_e, heavy = two_height_tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M, HEAVY_M)
+    else:
+        total, e, m0, count_e, start_e = tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M)
+        heavy = pid_m < 0
+    return total, e, m0, count_e, start_e, heavy
 
 
 @triton.jit
 def _decode_gemm2_item(
     act_ptr, w2_ptr, w2_desc, y_ptr, sorted_rows_ptr, sync_ptr, timeline_ptr, item, t_start,
-    in_use, pid_m, pid_n, e, m0, count_e, start_e, num_n1, H, I, max_polls,
+    in_use, heavy, pid_m, pid_n, e, m0, count_e, start_e, num_n1, H, I, max_polls,
     stride_w2e, stride_w2n, stride_w2k,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, DOT_IEEE: tl.constexpr,
     DOT_F32: tl.constexpr, SWAP_AB: tl.constexpr, TIMELINE: tl.constexpr,
+    HEAVY_M: tl.constexpr, HEAVY_STAGES: tl.constexpr,
 ):
     """A GEMM2 work item of ``_moe_decode_experts_kernel``: wait (bounded) until every GEMM1
-    column tile of row tile ``pid_m`` is done, then the tile (or NaN rows if the wait ran out)."""
+    column tile of row tile ``pid_m`` is done, then the tile (or NaN rows if the wait ran out). A
+    ``heavy`` tile (``HEAVY_M`` > 0) holds ``HEAVY_M`` rows, others ``BLOCK_M``."""
     if in_use:
         # Scalar atomics: Triton broadcasts their result, so every thread agrees on the loop.
         done_ptr = sync_ptr + _SYNC_TILES + pid_m
@@ -329,10 +361,27 @@ def _decode_gemm2_item(
         t_ready = now(TIMELINE)
         if done < num_n1:
             tl.atomic_xchg(sync_ptr + _SYNC_ERROR, 1, sem="relaxed")
-            offs_m, row_ok, rows = tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
+            pieces = 1  # BLOCK_M-row pieces of the tile
+            if HEAVY_M > 0:
+                pieces = tl.where(heavy, HEAVY_M // BLOCK_M, 1)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             nan = tl.full([BLOCK_M, BLOCK_N], float("nan"), dtype=tl.float32)
-            scatter_rows(nan, rows, row_ok, offs_n, offs_n < H, y_ptr, H, DOT_F32)
+            for piece in range(pieces):
+                offs_m, row_ok, rows = tile_rows(sorted_rows_ptr, m0 + piece * BLOCK_M, count_e, start_e, BLOCK_M)
+                scatter_rows(nan, rows, row_ok, offs_n, offs_n < H, y_ptr, H, DOT_F32)
+        elif HEAVY_M > 0:
+            if heavy:
+                _gemm2_rows(
+                    act_ptr, w2_ptr, w2_desc, y_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
+                    stride_w2e, stride_w2n, stride_w2k,
+                    HEAVY_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB, HEAVY_STAGES,
+                )
+            else:
+                _gemm2_rows(
+                    act_ptr, w2_ptr, w2_desc, y_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
+                    stride_w2e, stride_w2n, stride_w2k,
+                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB, STAGES,
+                )
         else:
             _gemm2_rows(
                 act_ptr, w2_ptr, w2_desc, y_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
@@ -540,10 +589,12 @@ def operand_bytes(counts: list[int], hidden: int, inter: int, configs: tuple[dic
     Every row tile in use loads its expert's weight columns whole, whatever its rows (a half
     tail too); its A operand loads only its rows (masked rows fetch nothing), once per column
     tile. With a narrow GEMM2 tail the last ``NARROW_TAIL`` row tiles in use load their A rows
-    once per half-width column tile."""
+    once per half-width column tile. With ``HEAVY_M`` an expert with more than ``BLOCK_M`` rows
+    has tiles of ``HEAVY_M`` rows."""
     g1, g2 = configs
-    bm = g1["BLOCK_M"]
-    row_tile_sizes = [min(bm, c - m0) for c in counts for m0 in range(0, c, bm)]
+    bm, heavy = g1["BLOCK_M"], g1.get("HEAVY_M", 0)
+    row_tile_sizes = [min(h, c - m0) for c in counts for h in [heavy if heavy and c > bm else bm]
+                      for m0 in range(0, c, h)]
     rows = sum(row_tile_sizes)
     n1 = triton.cdiv(inter, g1["BLOCK_N"])
     n2 = triton.cdiv(hidden, g2["BLOCK_N"])
@@ -595,7 +646,10 @@ def launch_decode_experts(
     if narrow_m and g2.get("SWAP_AB", False) and narrow_n2 < 64:
         raise ValueError(f"a narrow GEMM2 tail needs BLOCK_N >= 128 (its half is wgmma's M side): {configs}")
     w2_narrow_desc = w2_operand(w2, dict(g2, BLOCK_N=narrow_n2), bk2) if narrow_m else w2_desc
-    num_m = max_row_tiles(rows, num_local, bm)
+    heavy_m = g1.get("HEAVY_M", 0)
+    if heavy_m and (heavy_m % bm or heavy_m <= bm):
+        raise ValueError(f"HEAVY_M must be a multiple of BLOCK_M above it: {configs}")
+    num_m = max_row_tiles(rows, num_local, bm)  # (heavy tiles only make fewer)
     assert sync.numel() == SYNC_TILES + num_m and sync.dtype == torch.int32
     items = sum(decode_items(rows, num_local, hidden, inter, (g1, g2)))
     if timeline is not None:
@@ -615,6 +669,8 @@ def launch_decode_experts(
         USE_TMA2=g2["USE_TMA"], NARROW_N2=narrow_n2,
         DOT_IEEE=act.dtype == torch.float32 or interpret, DOT_F32=interpret, SWAP_AB=g1.get("SWAP_AB", False),
         TIMELINE=timeline is not None, GROUP_M1=g1.get("GROUP_M", 1), GROUP_M2=g2.get("GROUP_M", 1),
+        HEAVY_M=heavy_m, HEAVY_STAGES1=g1.get("HEAVY_STAGES", g1["num_stages"]),
+        HEAVY_STAGES2=g2.get("HEAVY_STAGES", g2["num_stages"]),
         num_warps=g1["num_warps"], num_stages=g1["num_stages"],
         **pdl_launch(act, pdl, interpret),
     )

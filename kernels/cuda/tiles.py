@@ -15,7 +15,7 @@ from .. import bad_ids
 __all__ = [
     "acc_zeros", "cast", "dot", "expert_ids", "expert_tile", "gemm1_tile", "gemm2_tile", "grid_dependency",
     "load_cols", "load_rows", "local_expert_ids", "mma", "moe_schedule_kernel", "now", "program_tile",
-    "report_bad_ids", "scatter_rows", "tile_of", "tile_rows",
+    "report_bad_ids", "scatter_rows", "tile_of", "tile_rows", "two_height_tile_of",
 ]
 
 
@@ -186,6 +186,29 @@ def tile_of(pid_m, counts_ptr, num_local, E_PAD: tl.constexpr, BLOCK_M: tl.const
     count_e = tl.sum(tl.where(sel, cnt, 0), axis=0)
     start_e = tl.sum(tl.where(eo < e, cnt, 0), axis=0)
     return total, e, (pid_m - tile0) * BLOCK_M, count_e, start_e
+
+
+@triton.jit
+def two_height_tile_of(pid_m, counts_ptr, num_local, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                       HEAVY_M: tl.constexpr):
+    """``tile_of`` with two tile heights chosen from the counts on the device: an expert with more
+    than ``BLOCK_M`` rows is cut into tiles of ``HEAVY_M`` rows (so its weights are read once per
+    ``HEAVY_M`` rows, not once per ``BLOCK_M``), the others into ``BLOCK_M``-row tiles. Returns
+    ``tile_of``'s tuple and whether the tile is a heavy one. A row's arithmetic does not depend on
+    its tile's height, so neither do its bits."""
+    eo = tl.arange(0, E_PAD)
+    cnt = tl.load(counts_ptr + eo, mask=eo < num_local, other=0)
+    height = tl.where(cnt > BLOCK_M, HEAVY_M, BLOCK_M)
+    tiles = (cnt + height - 1) // height
+    cum = tl.cumsum(tiles, axis=0)
+    total = tl.sum(tiles, axis=0)
+    e = tl.sum((cum <= pid_m).to(tl.int32), axis=0)
+    sel = eo == e
+    tile0 = tl.sum(tl.where(sel, cum - tiles, 0), axis=0)
+    count_e = tl.sum(tl.where(sel, cnt, 0), axis=0)
+    start_e = tl.sum(tl.where(eo < e, cnt, 0), axis=0)
+    heavy = count_e > BLOCK_M
+    return total, e, (pid_m - tile0) * tl.where(heavy, HEAVY_M, BLOCK_M), count_e, start_e, heavy
 
 
 @triton.jit

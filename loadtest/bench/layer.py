@@ -304,6 +304,11 @@ def sweep_variants(tokens, top_k, E, H, I):
             ("g1 group16", v(d1, GROUP_M=16), d2),
             ("g2 group4", d1, v(d2, GROUP_M=4)),
             ("g2 group16", d1, v(d2, GROUP_M=16)),
+            # Experts with more than 16 rows in 64- or 32-row tiles (HEAVY_M, chosen on the device
+            # from the counts), the rest in 16-row ones: the wider tiles' fewer weight reads where
+            # a few experts hold many rows, without their cost where rows are spread.
+            ("heavy64", v(d1, HEAVY_M=64, HEAVY_STAGES=2), v(d2, HEAVY_STAGES=2)),
+            ("heavy32", v(d1, HEAVY_M=32, HEAVY_STAGES=3), v(d2, HEAVY_STAGES=3)),
         ]
         if bn2 >= 128:
             # The last R row tiles in use run GEMM2 at half width, so the last items drawn are short.

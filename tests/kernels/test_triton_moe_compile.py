@@ -77,8 +77,10 @@ for shape, H, I, E, K in (("ds", 7168, 2048, 256, 8), ("qwen30", 2048, 768, 128,
         g1, g2 = tm.pick_configs(tokens, K, E, H, I, one_launch=True)
         bn1, bk1, bn2, bk2 = g1["BLOCK_N"], g1["BLOCK_K"], g2["BLOCK_N"], g2["BLOCK_K"]
         narrow_n2 = bn2 // 2 if g2.get("NARROW_TAIL") else 0
-        for timeline in (False, True) if tm.one_launch_decode(g1, g2) else ():
-            build(f"{shape}_decode_experts{'_timeline' if timeline else ''}_T{tokens}", tm._moe_decode_experts_kernel,
+        # Also with 64-row tiles for the experts with more than 16 rows (HEAVY_M, 2-deep pipelines).
+        variants = (("", False, 0), ("_timeline", True, 0), ("_heavy", False, 64))
+        for suffix, timeline, heavy in variants if tm.one_launch_decode(g1, g2) else ():
+            build(f"{shape}_decode_experts{suffix}_T{tokens}", tm._moe_decode_experts_kernel,
                   dict(x_ptr=ptr("bf16"), w13_ptr=ptr("bf16"), w13_desc=f"tensordesc<bf16[1, 2, {bn1}, {bk1}]>",
                        w2_ptr=ptr("bf16"), w2_desc=f"tensordesc<bf16[{bn2}, {bk2}]>",
                        w2_narrow_desc=f"tensordesc<bf16[{narrow_n2 or bn2}, {bk2}]>", act_ptr=ptr("bf16"),
@@ -89,7 +91,8 @@ for shape, H, I, E, K in (("ds", 7168, 2048, 256, 8), ("qwen30", 2048, 768, 128,
                   dict(TOPK=K, E_PAD=E, BLOCK_M=g1["BLOCK_M"], SWAP_AB=True, DOT_IEEE=False, DOT_F32=False, PDL=True,
                        TIMELINE=timeline, BLOCK_N1=bn1, BLOCK_K1=bk1, STAGES1=g1["num_stages"], EVEN_K1=True, EVEN_N1=True, USE_TMA1=True,
                        BLOCK_N2=bn2, BLOCK_K2=bk2, STAGES2=g2["num_stages"], EVEN_K2=True, EVEN_N2=True, USE_TMA2=True,
-                       NARROW_N2=narrow_n2, GROUP_M1=g1.get("GROUP_M", 1), GROUP_M2=g2.get("GROUP_M", 1)),
+                       NARROW_N2=narrow_n2, GROUP_M1=g1.get("GROUP_M", 1), GROUP_M2=g2.get("GROUP_M", 1),
+                       HEAVY_M=heavy, HEAVY_STAGES1=2, HEAVY_STAGES2=2),
                   g1["num_warps"], g1["num_stages"])
 print(json.dumps(results))
 """
@@ -105,8 +108,8 @@ def test_gemms_compile_for_sm90_with_bf16_wgmma_in_every_regime(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     # Two GEMMs at five token counts for two shapes, and the one-launch decode kernel at 1, 2 and 128 tokens,
-    # also with its timeline records.
-    assert len(results) == 32
+    # also with its timeline records and with heavy tiles.
+    assert len(results) == 38
     for name, r in results.items():
         print(name, r["shared"], r["ptxas"].strip().splitlines()[-2:])
         assert "0 bytes spill stores, 0 bytes spill loads" in r["ptxas"], (name, r["ptxas"])

@@ -247,6 +247,31 @@ def test_decode_grouped_gemm2_items_give_the_same_bits():
         assert torch.equal(got, tail), ("narrow tail", group)
 
 
+def test_decode_heavy_tiles_follow_the_counts_and_give_the_same_rows():
+    # HEAVY_M: experts with more than 16 rows run 64-row tiles (chosen on the device from the
+    # counts), the others 16-row ones. Expert 0 has 100 rows (heavy tiles of 64 and 36), expert 1
+    # 40 (one heavy tile), expert 2 16 (one light tile, the boundary), the rest few.
+    x, w13, w2, weights, ids = make_inputs(100, 160, 48, 64, 3, torch.float32, seed=29)
+    ids[:, 0] = 0
+    ids[:40, 1] = 1
+    ids[40:56, 1] = 2
+    g1, g2 = tm.pick_configs(100, 3, 64, 160, 48, one_launch=True)
+    assert tm.one_launch_decode(g1, g2) and g1["BLOCK_M"] == 16
+    expect = tm.fused_moe_triton(x, w13, w2, weights, ids, configs=(g1, g2))
+    assert rel_err(expect, fused_moe_reference(x, w13, w2, weights, ids)) <= TOL[torch.float32]
+    heavy = dict(HEAVY_M=64, HEAVY_STAGES=2)
+    variants = [(dict(g1, **heavy), g2), (dict(g1, **heavy, GROUP_M=2), dict(g2, GROUP_M=3)),
+                (dict(g1, **heavy), dict(g2, BLOCK_N=128, NARROW_TAIL=2)), (dict(g1, HEAVY_M=32), g2)]
+    for configs in variants:
+        got = tm.fused_moe_triton(x, w13, w2, weights, ids, configs=configs)
+        # Same rows, same arithmetic; the interpreter's tl.dot (numpy) may order its sums by the
+        # tile's width (see the narrow tail's test below); the GPU test asks for the same bits.
+        assert rel_err(got, expect) <= 1e-6, configs
+    with pytest.raises(ValueError, match="HEAVY_M"):
+        tm.fused_moe_triton(x, w13, w2, weights, ids, configs=(dict(g1, HEAVY_M=24), g2))
+    check_decode_wait_gives_up(tm, x, w13, w2, ids, configs=(dict(g1, **heavy), g2))
+
+
 def test_decode_narrow_gemm2_tail_gives_the_same_bits():
     # hidden 160: GEMM2 in two 128-column tiles (the second 32 wide) or, for the last row tiles
     # in use, three 64-column ones (the last 32 wide). Expert 0 has 20 rows: two row tiles.
