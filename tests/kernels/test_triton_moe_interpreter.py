@@ -303,6 +303,13 @@ def test_operand_bytes_counts_whole_weight_columns_per_row_tile_and_rows_per_col
     narrow = tm.operand_bytes([130, 0, 5], 64, 32, (g1, dict(g2, NARROW_TAIL=2)))
     assert narrow["gemm2_a"] == (128 * 2 + 7 * 4) * 32 * 2 and narrow["gemm2_b"] == got["gemm2_b"]
     assert sum(tm.operand_bytes([0, 0], 64, 32, (g1, g2)).values()) == 0
+    # Heavy tiles: experts of 100 and 16 rows in 16-row tiles with HEAVY_M 64: 100 rows in two
+    # tiles (64, 36), 16 in one light tile: three weight loads instead of eight.
+    light = dict(BLOCK_M=16, BLOCK_N=16)
+    heavy = tm.operand_bytes([100, 16], 64, 32, (dict(light, HEAVY_M=64), g2))
+    assert heavy["gemm1_b"] == 3 * 2 * 32 * 64 * 2 and heavy["gemm2_b"] == 3 * 64 * 32 * 2
+    assert tm.operand_bytes([100, 16], 64, 32, (light, g2))["gemm1_b"] == 8 * 2 * 32 * 64 * 2
+    assert heavy["gemm1_a"] == 116 * 64 * 2 * 2
 
 
 # The test takes every GEMM1 ticket beforehand, so the tickets past the last item run too: they
