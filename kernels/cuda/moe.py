@@ -500,6 +500,7 @@ def launch_gemm1(
     GEMM1 that pulls its rows), ``extra_args`` / ``extra_constexprs`` being its own ones."""
     num_local, two_i, hidden = w13.shape
     inter = two_i // 2
+    _check_two_launch_config(config)
     g = gemm_config(config, act, interpret, GROUP_M=1, HALF_TAIL=False, SWAP_AB=False)
     if kernel is not None:
         g.pop("HALF_TAIL")  # the expert-parallel kernels always run full tiles
@@ -536,6 +537,7 @@ def launch_gemm2(
     of them at most). ``kernel`` replaces it by a kernel with the same leading parameters (the
     expert-parallel push epilogue), ``extra_args`` / ``extra_constexprs`` being its own ones."""
     num_local, hidden, inter = w2.shape
+    _check_two_launch_config(config)
     g = gemm_config(config, act, interpret, GROUP_M=1, HALF_TAIL=False, SWAP_AB=False)
     if kernel is not None:
         g.pop("HALF_TAIL")  # the expert-parallel kernels always run full tiles
@@ -556,6 +558,17 @@ def launch_gemm2(
 # Polls of a GEMM2 tile's wait in the one-launch decode kernel (an L2 round trip each, about a
 # microsecond): seconds, where a wait that ends lasts at most one GEMM1 tile.
 DECODE_MAX_POLLS = 1 << 22
+
+
+# Config keys of the one-launch decode kernel alone (``launch_decode_experts``).
+_ONE_LAUNCH_KEYS = frozenset({"ONE_LAUNCH", "NARROW_TAIL", "HEAVY_M", "HEAVY_STAGES"})
+
+
+def _check_two_launch_config(config: dict) -> None:
+    """A GEMM config for ``launch_gemm1``/``launch_gemm2`` must not carry the one-launch kernel's keys."""
+    if _ONE_LAUNCH_KEYS & set(config):
+        raise ValueError(f"{sorted(_ONE_LAUNCH_KEYS & set(config))} apply to the one-launch decode kernel only "
+                         f"(ONE_LAUNCH in GEMM1's config): {config}")
 
 
 def one_launch_decode(g1: dict, g2: dict) -> bool:

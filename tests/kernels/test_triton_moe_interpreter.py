@@ -269,6 +269,9 @@ def test_decode_heavy_tiles_follow_the_counts_and_give_the_same_rows():
         assert rel_err(got, expect) <= 1e-6, configs
     with pytest.raises(ValueError, match="HEAVY_M"):
         tm.fused_moe_triton(x, w13, w2, weights, ids, configs=(dict(g1, HEAVY_M=24), g2))
+    two = [{k: v for k, v in g.items() if k != "ONE_LAUNCH"} for g in (g1, g2)]  # two launches: no heavy tiles
+    with pytest.raises(ValueError, match="one-launch decode kernel only"):
+        tm.fused_moe_triton(x, w13, w2, weights, ids, configs=(dict(two[0], **heavy), two[1]))
     check_decode_wait_gives_up(tm, x, w13, w2, ids, configs=(dict(g1, **heavy), g2))
 
 
