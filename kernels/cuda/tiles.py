@@ -175,17 +175,8 @@ def report_bad_ids(report_ptr, id_lo, id_hi, num_global, map_lo, map_hi, num_loc
 def tile_of(pid_m, counts_ptr, num_local, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
     """Map a row-tile id to (tiles in use, expert, first row inside the expert, rows of the
     expert, expert's first position in the sorted order). Pure function of the counts."""
-    eo = tl.arange(0, E_PAD)
-    cnt = tl.load(counts_ptr + eo, mask=eo < num_local, other=0)
-    tiles = (cnt + BLOCK_M - 1) // BLOCK_M
-    cum = tl.cumsum(tiles, axis=0)
-    total = tl.sum(tiles, axis=0)
-    e = tl.sum((cum <= pid_m).to(tl.int32), axis=0)
-    sel = eo == e
-    tile0 = tl.sum(tl.where(sel, cum - tiles, 0), axis=0)
-    count_e = tl.sum(tl.where(sel, cnt, 0), axis=0)
-    start_e = tl.sum(tl.where(eo < e, cnt, 0), axis=0)
-    return total, e, (pid_m - tile0) * BLOCK_M, count_e, start_e
+    total, e, m0, count_e, start_e, _ = two_height_tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M, BLOCK_M)
+    return total, e, m0, count_e, start_e
 
 
 @triton.jit
@@ -193,9 +184,9 @@ def two_height_tile_of(pid_m, counts_ptr, num_local, E_PAD: tl.constexpr, BLOCK_
                        HEAVY_M: tl.constexpr):
     """``tile_of`` with two tile heights chosen from the counts on the device: an expert with more
     than ``BLOCK_M`` rows is cut into tiles of ``HEAVY_M`` rows (so its weights are read once per
-    ``HEAVY_M`` rows, not once per ``BLOCK_M``), the others into ``BLOCK_M``-row tiles. Returns
-    ``tile_of``'s tuple and whether the tile is a heavy one. A row's arithmetic does not depend on
-    its tile's height, so neither do its bits."""
+    ``HEAVY_M`` rows, not once per ``BLOCK_M``), the others into ``BLOCK_M``-row tiles (``HEAVY_M``
+    = ``BLOCK_M``: one height, ``tile_of``). Returns ``tile_of``'s tuple and whether the tile is a
+    heavy one. A row's arithmetic does not depend on its tile's height, so neither do its bits."""
     eo = tl.arange(0, E_PAD)
     cnt = tl.load(counts_ptr + eo, mask=eo < num_local, other=0)
     height = tl.where(cnt > BLOCK_M, HEAVY_M, BLOCK_M)
