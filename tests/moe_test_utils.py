@@ -267,13 +267,23 @@ def check_bad_ids_masked_and_reported(op, experts, reference, tol):
 
 def check_decode_one_launch_bits(tm, x, w13, w2, tw, ids, expert_map=None):
     """At decode sizes both GEMMs run as one launch and give the bits of the two launches;
-    ``tm`` is the kernels.cuda.moe module (the interpreter tests reload it). Returns the output."""
+    ``tm`` is the kernels.cuda.moe module (the interpreter tests reload it). Returns the output.
+
+    Under the interpreter (CPU tensors) the one-launch kernel's 64-row heavy tiles (``HEAVY_M``)
+    are compared within 1e-6 and its 16-row ones bit for bit: numpy's matmul, which stands in for
+    ``tl.dot`` there, may order its sums by the tile's height. On the GPU every tile gives the bits."""
     tokens, hidden = x.shape
     num_local, two_i, _ = w13.shape
-    assert tm.one_launch_decode(*tm.pick_configs(tokens, ids.shape[1], num_local, hidden, two_i // 2, one_launch=True))
+    g1, g2 = tm.pick_configs(tokens, ids.shape[1], num_local, hidden, two_i // 2, one_launch=True)
+    assert tm.one_launch_decode(g1, g2)
     one = tm.fused_moe_triton(x, w13, w2, tw, ids, expert_map=expert_map, one_launch=True)
     two = tm.fused_moe_triton(x, w13, w2, tw, ids, expert_map=expert_map, one_launch=False)
-    assert torch.equal(one, two)
+    if x.is_cuda:
+        assert torch.equal(one, two)
+    else:
+        light = tm.fused_moe_triton(x, w13, w2, tw, ids, expert_map=expert_map, configs=(dict(g1, HEAVY_M=0), g2))
+        assert torch.equal(light, two)
+        assert rel_err(one, two) <= 1e-6
     return one
 
 

@@ -81,6 +81,13 @@ def _pick_configs(tokens: int, top_k: int, num_local: int, hidden: int, inter: i
             # DeepSeek-V3 and Qwen3-30B-A3B. 16-row groups gained more there (12% at 256) but cost
             # 0.9% at 256 uniform.
             g1["GROUP_M"] = 4
+            # Experts with more than 16 rows run 64-row tiles with 2-deep pipelines (HEAVY_M, chosen
+            # on the device from the counts), the others 16-row ones. Sweep at aab4017 (3 repeats,
+            # history.csv): DeepSeek-V3 with every token on the same experts 2.0x faster at 256
+            # tokens, 1.4x at 64 (Qwen3-30B-A3B 1.07x); uniform routing within 0.7% (0.3 us) at
+            # 1-256 tokens on both shapes. 32-row heavy tiles (3 stages) cost 3-13% uniform.
+            g1.update(HEAVY_M=64, HEAVY_STAGES=2)
+            g2["HEAVY_STAGES"] = 2
         return g1, g2
     bk1, bk2 = kdim_block(hidden), kdim_block(inter)
     if avg <= 48:

@@ -304,11 +304,10 @@ def sweep_variants(tokens, top_k, E, H, I):
             ("g1 group16", v(d1, GROUP_M=16), d2),
             ("g2 group4", d1, v(d2, GROUP_M=4)),
             ("g2 group16", d1, v(d2, GROUP_M=16)),
-            # Experts with more than 16 rows in 64- or 32-row tiles (HEAVY_M, chosen on the device
-            # from the counts), the rest in 16-row ones: the wider tiles' fewer weight reads where
-            # a few experts hold many rows, without their cost where rows are spread.
-            ("heavy64", v(d1, HEAVY_M=64, HEAVY_STAGES=2), v(d2, HEAVY_STAGES=2)),
+            # Experts with more than 16 rows in 32-row tiles instead of the default's 64 (HEAVY_M,
+            # chosen on the device from the counts), or every expert in 16-row ones.
             ("heavy32", v(d1, HEAVY_M=32, HEAVY_STAGES=3), v(d2, HEAVY_STAGES=3)),
+            ("no heavy", v(d1, HEAVY_M=0), {k: x for k, x in d2.items() if k != "HEAVY_STAGES"}),
         ]
         if bn2 >= 128:
             # The last R row tiles in use run GEMM2 at half width, so the last items drawn are short.

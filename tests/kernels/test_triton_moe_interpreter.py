@@ -255,12 +255,15 @@ def test_decode_heavy_tiles_follow_the_counts_and_give_the_same_rows():
     ids[:, 0] = 0
     ids[:40, 1] = 1
     ids[40:56, 1] = 2
-    g1, g2 = tm.pick_configs(100, 3, 64, 160, 48, one_launch=True)
-    assert tm.one_launch_decode(g1, g2) and g1["BLOCK_M"] == 16
+    picked = tm.pick_configs(100, 3, 64, 160, 48, one_launch=True)
+    assert tm.one_launch_decode(*picked) and picked[0]["BLOCK_M"] == 16
+    heavy = dict(HEAVY_M=64, HEAVY_STAGES=2)
+    assert {k: picked[0][k] for k in heavy} == heavy and picked[1]["HEAVY_STAGES"] == 2  # the default
+    g1 = {k: v for k, v in picked[0].items() if k not in heavy}  # 16-row tiles only
+    g2 = {k: v for k, v in picked[1].items() if k != "HEAVY_STAGES"}
     expect = tm.fused_moe_triton(x, w13, w2, weights, ids, configs=(g1, g2))
     assert rel_err(expect, fused_moe_reference(x, w13, w2, weights, ids)) <= TOL[torch.float32]
-    heavy = dict(HEAVY_M=64, HEAVY_STAGES=2)
-    variants = [(dict(g1, **heavy), g2), (dict(g1, **heavy, GROUP_M=2), dict(g2, GROUP_M=3)),
+    variants = [picked, (dict(g1, **heavy, GROUP_M=2), dict(g2, GROUP_M=3)),
                 (dict(g1, **heavy), dict(g2, BLOCK_N=128, NARROW_TAIL=2)), (dict(g1, HEAVY_M=32), g2)]
     for configs in variants:
         got = tm.fused_moe_triton(x, w13, w2, weights, ids, configs=configs)

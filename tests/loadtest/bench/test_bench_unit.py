@@ -49,6 +49,9 @@ def test_sweeps_offer_wider_token_tiles_for_concentrated_loads():
     decode = {label: (g1, g2) for label, g1, g2 in sweep_variants(256, 8, 256, 7168, 2048)}  # 8 rows per expert
     assert [decode[m][0]["BLOCK_M"] for m in ("default", "m32", "m64")] == [16, 32, 64]
     assert all(decode[m][0]["BLOCK_M"] == decode[m][1]["BLOCK_M"] for m in ("m32", "m64"))
+    # Heavy tiles (experts with more than 16 rows) are 64 rows by default; the sweep times 32 and none.
+    assert [decode[m][0].get("HEAVY_M", 0) for m in ("default", "heavy32", "no heavy")] == [64, 32, 0]
+    assert "HEAVY_STAGES" not in decode["no heavy"][1]
     streaming = {label: (g1, g2) for label, g1, g2 in sweep_variants(1024, 8, 256, 7168, 2048)}  # 32 rows
     assert streaming["default"][0]["BLOCK_M"] == 64
     assert streaming["m128 tiles"] == pick_configs(4096, 8, 256, 7168, 2048)  # the 128-row regime's 4-stage tiles
