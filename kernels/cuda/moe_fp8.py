@@ -15,7 +15,8 @@ Computes the function of ``fp8.fused_moe_fp8_reference`` with the structure of `
    are scaled in fp32 before they join the accumulator; the tensor core only ever sums 128
    products). Epilogue: gate/up rounded to the input dtype, ``silu(gate) * up`` rounded to the input
    dtype, then quantized per row over the tile's 128 columns -- exactly one activation group, which
-   is why GEMM1's column tile is always 128 -- into ``act_q`` (e4m3) and ``act_s`` (fp32).
+   is why GEMM1's column tile is 128, or 64 with two programs per group of which the last to finish
+   quantizes the whole group (``BLOCK_N`` 64) -- into ``act_q`` (e4m3) and ``act_s`` (fp32).
 3. ``_fp8_gemm2_kernel`` -- grouped GEMM over ``w2`` on ``act_q`` with the same per-K-block scaling,
    each output row rounded to the input dtype and scattered to its (token, k) slot of ``y``.
 4. ``cuda/moe.py``'s ``_moe_combine_kernel`` -- fp32 weighted top-k sum in k order.
@@ -46,6 +47,7 @@ from .tiles import acc_zeros, cast, expert_tile, grid_dependency, load_cols, loa
 
 __all__ = [
     "fused_moe_fp8_triton", "launch_fp8_gemm1", "launch_fp8_gemm2", "launch_fp8_schedule_quantize", "quantize_programs",
+    "split_group_tickets",
 ]
 
 _GROUP = tl.constexpr(GROUP)
@@ -61,7 +63,7 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.floa
 def _fp8_schedule_quantize_kernel(
     topk_ids_ptr, expert_map_ptr, counts_ptr, sorted_rows_ptr, report_ptr,
     num_rows, num_global, num_local, stride_it, stride_ik,
-    x_ptr, xq_ptr, xs_ptr, tokens, H, stride_xt, stride_xh,
+    x_ptr, xq_ptr, xs_ptr, tokens, H, stride_xt, stride_xh, ticket_ptr, num_tickets,
     TOPK: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, QROWS: tl.constexpr,
     RNE_FIX: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -73,29 +75,40 @@ def _fp8_schedule_quantize_kernel(
             num_rows, num_global, num_local, stride_it, stride_ik, TOPK, HAS_MAP, BLOCK, False,
         )
     else:
+        if pid == num_local:  # GEMM1's group tickets (split column tiles), zero before GEMM1 starts
+            offs = tl.arange(0, BLOCK)
+            for start in range(0, num_tickets, BLOCK):
+                tl.store(ticket_ptr + start + offs, tl.zeros([BLOCK], dtype=tl.int32), mask=start + offs < num_tickets)
         quantize_tile(pid - num_local, x_ptr, xq_ptr, xs_ptr, tokens, H, stride_xt, stride_xh, QROWS, RNE_FIX)
 
 
 @triton.jit(do_not_specialize=["num_m"])  # per-call tile count
 def _fp8_gemm1_kernel(
-    xq_ptr, xs_ptr, w_ptr, ws_ptr, actq_ptr, acts_ptr, sorted_rows_ptr, counts_ptr,
+    xq_ptr, xs_ptr, w_ptr, ws_ptr, actq_ptr, acts_ptr, acth_ptr, ticket_ptr, sorted_rows_ptr, counts_ptr,
     num_local, H, I, num_m,
     stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     IN_DTYPE: tl.constexpr, TOPK: tl.constexpr, E_PAD: tl.constexpr, SCALE_BN: tl.constexpr,
-    BLOCK_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, GROUP_M: tl.constexpr,
-    SWAP_AB: tl.constexpr, RNE_FIX: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    GROUP_M: tl.constexpr, SWAP_AB: tl.constexpr, RNE_FIX: tl.constexpr, PDL: tl.constexpr,
 ):
+    """``BLOCK_N`` intermediate columns (gate and up) per program: 128, one activation group, or
+    64, where two programs share a group: each writes its ``silu(gate) * up``
+    half to ``acth`` and takes a ticket of the group (``ticket_ptr``: int32 per (row tile, group),
+    zeroed by the schedule launch), and the last to arrive (acquire after the other's release)
+    quantizes the whole group from ``acth``. Every element's arithmetic is the 128-column tile's
+    and the group's maximum is exact, so both give the same bits; the split doubles the programs
+    that read weights where one token's few experts would leave most SMs idle."""
     grid_dependency(PDL)
     in_use, pid_n, e, m0, count_e, start_e = expert_tile(
-        tl.program_id(0), counts_ptr, num_local, num_m, I, _GROUP, E_PAD, BLOCK_M, GROUP_M
+        tl.program_id(0), counts_ptr, num_local, num_m, I, BLOCK_N, E_PAD, BLOCK_M, GROUP_M
     )
     if in_use:
         offs_m, row_ok, rows = tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
         tok = (rows // TOPK).to(tl.int64)
         offs_k = tl.arange(0, _GROUP)
         # Columns of the B tile interleave gate row n and up row I + n of w13 (one dot for both).
-        offs_j = tl.arange(0, 2 * _GROUP)
-        n_j = pid_n * _GROUP + offs_j // 2
+        offs_j = tl.arange(0, 2 * BLOCK_N)
+        n_j = pid_n * BLOCK_N + offs_j // 2
         nj_ok = n_j < I
         w_row = n_j + (offs_j % 2) * I
         e64 = e.to(tl.int64)
@@ -103,7 +116,7 @@ def _fp8_gemm1_kernel(
         as_ptrs = xs_ptr + tok * tl.cdiv(H, _GROUP)
         w_ptrs = w_ptr + e64 * stride_we + w_row[None, :] * stride_wn + offs_k[:, None] * stride_wk
         ws_ptrs = ws_ptr + e64 * stride_se + (w_row // SCALE_BN) * stride_sn
-        acc = acc_zeros(BLOCK_M, 2 * _GROUP, SWAP_AB)
+        acc = acc_zeros(BLOCK_M, 2 * BLOCK_N, SWAP_AB)
         for kb in range(0, tl.cdiv(H, _GROUP)):
             k_ok = offs_k < H - kb * _GROUP
             a = load_rows(a_ptrs, row_ok, k_ok, EVEN_K)
@@ -116,16 +129,34 @@ def _fp8_gemm1_kernel(
         if SWAP_AB:
             acc = tl.trans(acc)
         # Same rounding points as the reference: gate/up, then SiLU*up, in the input dtype.
-        acc_g, acc_u = tl.split(tl.reshape(acc, [BLOCK_M, _GROUP, 2]))
+        acc_g, acc_u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
         gate = cast(acc_g, IN_DTYPE, RNE_FIX).to(tl.float32)
         up = cast(acc_u, IN_DTYPE, RNE_FIX).to(tl.float32)
-        h = cast(gate / (1.0 + tl.exp(-gate)) * up, IN_DTYPE, RNE_FIX).to(tl.float32)
-        offs_n = pid_n * _GROUP + tl.arange(0, _GROUP)
+        h = cast(gate / (1.0 + tl.exp(-gate)) * up, IN_DTYPE, RNE_FIX)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < I
-        act_q, act_s = quantize_rows(tl.where(n_ok[None, :], h, 0.0), RNE_FIX)
         dst = (start_e + offs_m).to(tl.int64)
-        tl.store(actq_ptr + dst[:, None] * I + offs_n[None, :], act_q, mask=row_ok[:, None] & n_ok[None, :])
-        tl.store(acts_ptr + dst * tl.cdiv(I, _GROUP) + pid_n, act_s, mask=row_ok)
+        num_groups = tl.cdiv(I, _GROUP)
+        if BLOCK_N == _GROUP:
+            act_q, act_s = quantize_rows(tl.where(n_ok[None, :], h.to(tl.float32), 0.0), RNE_FIX)
+            tl.store(actq_ptr + dst[:, None] * I + offs_n[None, :], act_q, mask=row_ok[:, None] & n_ok[None, :])
+            tl.store(acts_ptr + dst * num_groups + pid_n, act_s, mask=row_ok)
+        else:
+            tl.store(acth_ptr + dst[:, None] * I + offs_n[None, :], h, mask=row_ok[:, None] & n_ok[None, :])
+            grp = pid_n // (_GROUP // BLOCK_N)
+            parts = tl.minimum(_GROUP // BLOCK_N, tl.cdiv(I - grp * _GROUP, BLOCK_N))  # (the last group may be short)
+            tl.debug_barrier()  # every thread's acth stores are ordered before the release below
+            # A tile's first sorted row names it (tiles of one call never share one).
+            arrived = tl.atomic_add(ticket_ptr + (start_e + m0) * num_groups + grp, 1, sem="acq_rel", scope="gpu")
+            if arrived == parts - 1:
+                tl.debug_barrier()
+                offs_g = grp * _GROUP + tl.arange(0, _GROUP)
+                ok = row_ok[:, None] & (offs_g < I)[None, :]
+                # (.cg: read from L2, where the other program's stores are, not this SM's L1)
+                hg = tl.load(acth_ptr + dst[:, None] * I + offs_g[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+                act_q, act_s = quantize_rows(hg.to(tl.float32), RNE_FIX)
+                tl.store(actq_ptr + dst[:, None] * I + offs_g[None, :], act_q, mask=ok)
+                tl.store(acts_ptr + dst * num_groups + grp, act_s, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["num_m"])  # per-call tile count
@@ -163,6 +194,12 @@ def quantize_programs(tokens: int, hidden: int) -> int:
     return triton.cdiv(tokens, QROWS) * triton.cdiv(hidden, GROUP)
 
 
+def split_group_tickets(rows: int, inter: int) -> int:
+    """Int32 tickets of GEMM1's split column tiles (``BLOCK_N`` < 128): one per (row, group), as a
+    tile's first sorted row names it."""
+    return rows * triton.cdiv(inter, GROUP)
+
+
 def launch_fp8_schedule_quantize(
     x: torch.Tensor,
     xq: torch.Tensor,
@@ -174,17 +211,20 @@ def launch_fp8_schedule_quantize(
     num_local: int,
     num_global: int,
     *,
+    tickets: torch.Tensor | None = None,
     pdl: bool | None = None,
     interpret: bool,
 ) -> None:
     """Launch 1: ``cuda.moe``'s schedule over ``topk_ids`` (programs ``< num_local``) and the
-    per-token 1 x 128 quantization of ``x`` into ``xq`` / ``xs`` (the other programs)."""
+    per-token 1 x 128 quantization of ``x`` into ``xq`` / ``xs`` (the other programs; the first
+    of them also zeroes ``tickets``, GEMM1's split-tile tickets, where given)."""
     tokens, hidden = x.shape
     launch_schedule(
         topk_ids, expert_map, counts, sorted_rows, num_local, num_global,
         kernel=_fp8_schedule_quantize_kernel, extra_programs=quantize_programs(tokens, hidden),
-        extra_args=(x, xq, xs, tokens, hidden, x.stride(0), x.stride(1)), QROWS=QROWS, RNE_FIX=interpret,
-        pdl=pdl,
+        extra_args=(x, xq, xs, tokens, hidden, x.stride(0), x.stride(1),
+                    counts if tickets is None else tickets, 0 if tickets is None else tickets.numel()),
+        QROWS=QROWS, RNE_FIX=interpret, pdl=pdl,
     )
 
 
@@ -201,6 +241,8 @@ def launch_fp8_gemm1(
     top_k: int,
     config: dict,
     *,
+    act_h: torch.Tensor | None = None,
+    tickets: torch.Tensor | None = None,
     pdl: bool | None = None,
     in_dtype: torch.dtype,
     scale_bn: int,
@@ -209,15 +251,27 @@ def launch_fp8_gemm1(
     """``_fp8_gemm1_kernel``: for the ``i``-th scheduled row ``t * top_k + k`` (``rows`` of them at
     most), ``silu(gate) * up`` of quantized token row ``xq[t]`` (scales ``xs[t]``; both contiguous
     ``[*, H]`` / ``[*, cdiv(H, 128)]``), rounded as ``in_dtype``, quantized into ``act_q[i]`` /
-    ``act_s[i]``. ``config`` is GEMM1's entry of ``pick_configs_fp8``; ``w13`` has >= 1 expert."""
+    ``act_s[i]``. ``config`` is GEMM1's entry of ``pick_configs_fp8``; ``w13`` has >= 1 expert.
+    With ``BLOCK_N`` 64 in it, ``act_h`` (``[rows, I]``, ``in_dtype``) holds the
+    group halves and ``tickets`` (``split_group_tickets`` int32 words) must be zero, as the
+    schedule launch leaves them."""
     num_local, two_i, hidden = w13.shape
     inter = two_i // 2
     g = dict(config)
     g.setdefault("GROUP_M", 1)
     g.setdefault("SWAP_AB", False)
+    bn = g.setdefault("BLOCK_N", GROUP)
+    if bn != GROUP:
+        if bn != GROUP // 2:
+            raise ValueError(f"FP8 GEMM1's BLOCK_N is 128 (one activation group) or 64 (two programs a group): {config}")
+        if act_h is None or tickets is None or act_h.dtype != in_dtype or act_h.shape != act_q.shape \
+                or tickets.dtype != torch.int32 or tickets.numel() < split_group_tickets(rows, inter):
+            raise ValueError("split FP8 GEMM1 tiles (BLOCK_N 64) need act_h like act_q in the input dtype and "
+                             "split_group_tickets int32 tickets")
     num_m = max_row_tiles(rows, num_local, g["BLOCK_M"])
-    _fp8_gemm1_kernel[(num_m * triton.cdiv(inter, GROUP),)](
-        xq, xs, w13, w13_scale, act_q, act_s, sorted_rows, counts,
+    _fp8_gemm1_kernel[(num_m * triton.cdiv(inter, bn),)](
+        xq, xs, w13, w13_scale, act_q, act_s, act_q if act_h is None else act_h, counts if tickets is None else tickets,
+        sorted_rows, counts,
         num_local, hidden, inter, num_m,
         w13.stride(0), w13.stride(1), w13.stride(2), w13_scale.stride(0), w13_scale.stride(1), w13_scale.stride(2),
         IN_DTYPE=_TL_DTYPES[in_dtype], TOPK=top_k, E_PAD=e_pad(num_local), SCALE_BN=scale_bn,
@@ -306,14 +360,19 @@ def fused_moe_fp8_triton(
     act_q = torch.empty((rows, inter), dtype=FP8_DTYPE, device=dev)
     act_s = torch.empty((rows, triton.cdiv(inter, GROUP)), dtype=torch.float32, device=dev)
     y = torch.empty((rows, hidden), dtype=dtype, device=dev)
+    g1, g2 = configs if configs is not None else pick_configs_fp8(tokens, top_k, num_local, hidden, inter)
+    act_h = tickets = None
+    if g1.get("BLOCK_N", GROUP) != GROUP:
+        act_h = torch.empty((rows, inter), dtype=dtype, device=dev)
+        tickets = torch.empty(split_group_tickets(rows, inter), dtype=torch.int32, device=dev)
 
     launch_fp8_schedule_quantize(
-        hidden_states, xq, xs, topk_ids, expert_map, counts, sorted_rows, num_local, num_global, interpret=interpret, pdl=pdl
+        hidden_states, xq, xs, topk_ids, expert_map, counts, sorted_rows, num_local, num_global,
+        tickets=tickets, interpret=interpret, pdl=pdl,
     )
-    g1, g2 = configs if configs is not None else pick_configs_fp8(tokens, top_k, num_local, hidden, inter)
     launch_fp8_gemm1(
         xq, xs, w13, w13_scale, act_q, act_s, sorted_rows, counts, rows, top_k, g1,
-        in_dtype=dtype, scale_bn=bn_scale, interpret=interpret, pdl=pdl,
+        act_h=act_h, tickets=tickets, in_dtype=dtype, scale_bn=bn_scale, interpret=interpret, pdl=pdl,
     )
     launch_fp8_gemm2(act_q, act_s, w2, w2_scale, y, sorted_rows, counts, rows, g2, scale_bn=bn_scale, interpret=interpret, pdl=pdl)
     launch_combine(y, out, topk_ids, topk_weights, expert_map, num_local, num_global, interpret=interpret, pdl=pdl)

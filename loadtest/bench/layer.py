@@ -378,6 +378,12 @@ def sweep_variants_fp8(tokens, top_k, E, H, I):
             ("swap g2 s8", v(sw1, num_stages=4), v(sw2, num_stages=8)),
             ("swap deep", v(sw1, num_stages=6), v(sw2, num_stages=8)),
         ]
+    if avg <= 16:
+        # GEMM1 in 64-column programs, two per activation group (the last quantizes it): twice the
+        # programs reading weights where one token's experts give 6-16 per expert (Qwen3-30B-A3B at
+        # 1 token: 48 programs for 132 SMs), half the shared memory per program (two per SM).
+        out += [("g1 n64", v(d1, BLOCK_N=64), d2), ("g1 n64 s4", v(d1, BLOCK_N=64, num_stages=4), d2),
+                ("g1 n64 s8", v(d1, BLOCK_N=64, num_stages=8), d2)]
     return out
 
 def sweep(shapes, points, seed, log, clocks, labels=None, repeats=1, fp8=False):

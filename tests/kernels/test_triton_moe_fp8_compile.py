@@ -58,15 +58,18 @@ def build(name, fn, types, ints, consts, num_warps, num_stages):
 
 for tokens in (1, 512, 1024, 4096):
     g1, g2 = tf.pick_configs_fp8(tokens, K, E, H, I)
-    build(f"gemm1_T{tokens}", tf._fp8_gemm1_kernel,
-          dict(xq_ptr=ptr("fp8e4nv"), xs_ptr=ptr("fp32"), w_ptr=ptr("fp8e4nv"), ws_ptr=ptr("fp32"),
-               actq_ptr=ptr("fp8e4nv"), acts_ptr=ptr("fp32"), sorted_rows_ptr=ptr("i32"), counts_ptr=ptr("i32")),
-          dict(num_local=E, H=H, I=I, num_m=1000, stride_we=2 * I * H, stride_wn=H, stride_wk=1,
-               stride_se=32 * 56, stride_sn=56, stride_sk=1),
-          dict(IN_DTYPE=tl.bfloat16, TOPK=K, E_PAD=E, SCALE_BN=128, BLOCK_M=g1["BLOCK_M"], EVEN_K=True,
-               EVEN_N=True, GROUP_M=g1["GROUP_M"], SWAP_AB=g1.get("SWAP_AB", False), RNE_FIX=False,
-               PDL=True),
-          g1["num_warps"], g1["num_stages"])
+    # As picked, and at decode sizes also with 64-column programs, two per activation group.
+    for suffix, bn in (("", g1.get("BLOCK_N", 128)),) + ((("_split", 64),) if tokens == 1 else ()):
+        build(f"gemm1{suffix}_T{tokens}", tf._fp8_gemm1_kernel,
+              dict(xq_ptr=ptr("fp8e4nv"), xs_ptr=ptr("fp32"), w_ptr=ptr("fp8e4nv"), ws_ptr=ptr("fp32"),
+                   actq_ptr=ptr("fp8e4nv"), acts_ptr=ptr("fp32"), acth_ptr=ptr("bf16"), ticket_ptr=ptr("i32"),
+                   sorted_rows_ptr=ptr("i32"), counts_ptr=ptr("i32")),
+              dict(num_local=E, H=H, I=I, num_m=1000, stride_we=2 * I * H, stride_wn=H, stride_wk=1,
+                   stride_se=32 * 56, stride_sn=56, stride_sk=1),
+              dict(IN_DTYPE=tl.bfloat16, TOPK=K, E_PAD=E, SCALE_BN=128, BLOCK_M=g1["BLOCK_M"], BLOCK_N=bn,
+                   EVEN_K=True, EVEN_N=True, GROUP_M=g1["GROUP_M"], SWAP_AB=g1.get("SWAP_AB", False), RNE_FIX=False,
+                   PDL=True),
+              g1["num_warps"], g1["num_stages"])
     build(f"gemm2_T{tokens}", tf._fp8_gemm2_kernel,
           dict(actq_ptr=ptr("fp8e4nv"), acts_ptr=ptr("fp32"), w_ptr=ptr("fp8e4nv"), ws_ptr=ptr("fp32"),
                w_desc=f"tensordesc<fp8e4nv[{g2['BLOCK_N']}, 128]>", y_ptr=ptr("bf16"),
@@ -78,9 +81,9 @@ for tokens in (1, 512, 1024, 4096):
           g2["num_warps"], g2["num_stages"])
 build("schedule_quantize", tf._fp8_schedule_quantize_kernel,
       dict(topk_ids_ptr=ptr("i32"), expert_map_ptr=ptr("i32"), counts_ptr=ptr("i32"), sorted_rows_ptr=ptr("i32"),
-           report_ptr=ptr("i64"), x_ptr=ptr("bf16"), xq_ptr=ptr("fp8e4nv"), xs_ptr=ptr("fp32")),
+           report_ptr=ptr("i64"), x_ptr=ptr("bf16"), xq_ptr=ptr("fp8e4nv"), xs_ptr=ptr("fp32"), ticket_ptr=ptr("i32")),
       dict(num_rows=8 * 4096, num_global=E, num_local=E, stride_it=K, stride_ik=1, tokens=4096, H=H,
-           stride_xt=H, stride_xh=1),
+           stride_xt=H, stride_xh=1, num_tickets=1000),
       dict(TOPK=K, HAS_MAP=True, BLOCK=4096, QROWS=32, RNE_FIX=False, PDL=True), 8, 1)
 print(json.dumps(results))
 """

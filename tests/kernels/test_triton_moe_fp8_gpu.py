@@ -92,6 +92,37 @@ def test_tile_regimes_give_the_same_bits():
         assert all(torch.equal(o, outs[0]) for o in outs[1:]), tokens
 
 
+def test_split_gemm1_column_tiles_give_the_same_bits():
+    """GEMM1 in 64-column programs, two per activation group (the last to finish quantizes the
+    group): the same bits as 128-column ones, for both families at decode and streaming sizes,
+    uniform and skewed, and replayed in a CUDA graph."""
+    g = torch.Generator(device=DEV).manual_seed(fresh_seed())
+    for family in ("DeepSeek-V3", "Qwen3-30B-A3B"):
+        fp8 = weights_for(family)
+        E, H, I = fp8[0].shape[0], fp8[0].shape[2], fp8[1].shape[2]
+        for tokens in (1, 8, 100, 300):
+            for skewed in (False, True):
+                x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16, generator=g)
+                tw, ids = routing(tokens, E, 8, skewed=skewed, gen=g)
+                g1, g2 = pick_configs_fp8(tokens, 8, E, H, I)
+                whole = poisoned_call(fused_moe_fp8_triton, x, *fp8, tw, ids, configs=(g1, g2))
+                split = poisoned_call(fused_moe_fp8_triton, x, *fp8, tw, ids, configs=(dict(g1, BLOCK_N=64), g2))
+                assert torch.equal(split, whole), (family, tokens, skewed)
+        x = torch.randn(8, H, device=DEV, dtype=torch.bfloat16, generator=g)
+        tw, ids = routing(8, E, 8, gen=g)
+        configs = (dict(pick_configs_fp8(8, 8, E, H, I)[0], BLOCK_N=64), pick_configs_fp8(8, 8, E, H, I)[1])
+        expect = fused_moe_fp8_triton(x, *fp8, tw, ids, configs=configs)
+        graph = torch.cuda.CUDAGraph()
+        static_x = x.clone()
+        with torch.cuda.graph(graph):
+            out = fused_moe_fp8_triton(static_x, *fp8, tw, ids, configs=configs)
+        for _ in range(3):
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, expect), family
+
+
 def test_fp16_int64_ids_and_strided_weights():
     q13, q2, s13, s2 = weights_for("Qwen3-30B-A3B")
     q2_strided = q2.transpose(1, 2).contiguous().transpose(1, 2)  # same values, GEMM2 without TMA

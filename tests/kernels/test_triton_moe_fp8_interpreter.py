@@ -69,13 +69,15 @@ def test_quantize_pass_is_the_torch_quantization_bit_for_bit():
     sorted_rows = torch.full((tokens * top_k,), -7, dtype=torch.int32)
     xq = torch.empty(tokens, hidden, dtype=torch.float8_e4m3fn)
     xs = torch.empty(tokens, 2)
+    tickets = torch.full((37,), 7, dtype=torch.int32)  # GEMM1's split-tile tickets: zeroed here
     programs = experts + triton.cdiv(tokens, 32) * 2
     tf._fp8_schedule_quantize_kernel[(programs,)](
         ids, ids, counts, sorted_rows, torch.zeros(4, dtype=torch.int64), tokens * top_k, experts, experts,
         ids.stride(0), ids.stride(1),
-        x, xq, xs, tokens, hidden, x.stride(0), x.stride(1),
+        x, xq, xs, tokens, hidden, x.stride(0), x.stride(1), tickets, 37,
         TOPK=top_k, HAS_MAP=False, BLOCK=16, QROWS=32, RNE_FIX=True, PDL=False,
     )
+    assert not tickets.any()
     flat = ids.reshape(-1).long()
     assert counts.tolist() == torch.bincount(flat, minlength=experts).tolist()
     assert sorted_rows.tolist() == torch.argsort(flat, stable=True).tolist()
@@ -145,6 +147,44 @@ def test_tile_configs_agree_bitwise(cfg):
     g1, g2 = ({**c, "num_warps": 4, "num_stages": 2} for c in cfg)
     out = tf.fused_moe_fp8_triton(x, *fp8, weights, ids, configs=(g1, g2))
     assert torch.equal(out, tf.fused_moe_fp8_triton(x, *fp8, weights, ids))
+
+
+@pytest.mark.parametrize(
+    "tokens,inter,g1",
+    [
+        (40, 256, dict(BLOCK_M=16, SWAP_AB=True)),  # two full groups
+        (40, 200, dict(BLOCK_M=16, SWAP_AB=True)),  # a last group of 72 columns: two programs, one short
+        (9, 192, dict(BLOCK_M=32, SWAP_AB=True)),  # a last group of 64 columns: one program quantizes alone
+        (40, 256, dict(BLOCK_M=64, GROUP_M=2)),  # unswapped 64-row tiles
+    ],
+)
+def test_split_gemm1_column_tiles_give_the_same_bits(tokens, inter, g1):
+    # BLOCK_N 64: two programs per activation group, the last to arrive quantizes the group from
+    # the halves both wrote (int32 tickets the schedule launch zeroes). The same bits as one
+    # 128-column program per group, and run twice (the tickets start from zero each call).
+    x, fp8, weights, ids = make(tokens, 128, inter, 4, 2, seed=tokens + inter)
+    ids[: tokens // 2, 0] = 0  # a busy expert: several row tiles
+    base = {**g1, "num_warps": 4, "num_stages": 2}
+    g2 = dict(BLOCK_M=g1["BLOCK_M"], BLOCK_N=64, SWAP_AB=g1.get("SWAP_AB", False), num_warps=4, num_stages=2)
+    whole = tf.fused_moe_fp8_triton(x, *fp8, weights, ids, configs=(base, g2))
+    assert rel_err(whole, fused_moe_fp8_reference(x, *fp8, weights, ids)) <= 1e-3
+    for _ in range(2):
+        split = tf.fused_moe_fp8_triton(x, *fp8, weights, ids, configs=(dict(base, BLOCK_N=64), g2))
+        assert torch.equal(split, whole)
+
+
+def test_split_gemm1_needs_its_buffers_and_a_half_group():
+    x, fp8, weights, ids = make(4, 128, 128, 2, 1, seed=5)
+    g1, g2 = tf.pick_configs_fp8(4, 1, 2, 128, 128)
+    with pytest.raises(ValueError, match="BLOCK_N is 128 .* or 64"):
+        tf.fused_moe_fp8_triton(x, *fp8, weights, ids, configs=(dict(g1, BLOCK_N=32), g2))
+    rows = ids.numel()
+    xq = torch.empty(4, 128, dtype=torch.float8_e4m3fn)
+    act_q = torch.empty(rows, 128, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="need act_h"):
+        tf.launch_fp8_gemm1(xq, torch.empty(4, 1), fp8[0], fp8[2], act_q, torch.empty(rows, 1),
+                            torch.zeros(rows, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), rows, 1,
+                            dict(g1, BLOCK_N=64), in_dtype=x.dtype, scale_bn=128, interpret=True)
 
 
 def test_token_alone_equals_token_in_a_batch():
