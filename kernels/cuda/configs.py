@@ -154,7 +154,8 @@ def pick_configs_fp8(tokens: int, top_k: int, num_local: int, hidden: int, inter
     """(GEMM1 config, GEMM2 config); depends on shapes only, never on device values.
 
     Fixed by the format: BLOCK_K = 128 (one scale block per dot) and GEMM1's column tile = 128 (one
-    activation group), so the K order never depends on the batch. Each K block keeps its dot result
+    activation group) or 64 (``BLOCK_N``: two programs per group), so the K order never depends on
+    the batch. Each K block keeps its dot result
     beside the fp32 accumulator, so a ``[BM, BN]`` tile holds ``2*BM*BN/threads`` fp32 registers per
     thread; the warps keep that at 128 (GEMM1's fused gate/up tile is 256 wide: 8 warps at BM = 64).
     Compiled for sm_90a (Triton 3.9, tests/kernels/test_triton_moe_fp8_compile.py) these configs use 216-228
@@ -186,6 +187,12 @@ def _pick_configs_fp8(tokens: int, top_k: int, num_local: int, hidden: int, inte
             # to 10.7 rows per expert, 32 rows at 16 (where 16-row tiles split more experts in two).
             bm = 16 if avg <= 12 else 32
             g1 = dict(BLOCK_M=bm, num_warps=4, num_stages=6, GROUP_M=1, SWAP_AB=True)
+            if bm == 16:
+                # GEMM1 in 64-column programs, two per activation group (the last quantizes it): twice
+                # the programs reading weights, two per SM. Sweep at 9aa0de9 (3 repeats, history.csv):
+                # Qwen3-30B-A3B 3% faster at 1 token, 9% at 8 and 32; DeepSeek-V3 3% at 1, 4% at 8;
+                # the same bits. 32-row tiles (12-16 rows per expert) not measured: unchanged.
+                g1["BLOCK_N"] = 64
             g2 = dict(BLOCK_M=bm, BLOCK_N=bn2, num_warps=4, num_stages=5, USE_TMA=True, GROUP_M=1, SWAP_AB=True)
         else:
             g1 = dict(BLOCK_M=64, num_warps=8, num_stages=4, GROUP_M=1)

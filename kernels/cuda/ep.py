@@ -854,6 +854,10 @@ class SymmetricMemoryEPWorkspace:
 
         picker = pick_configs_fp8 if fp8 else pick_configs
         g1, g2 = picker(max(tokens, 1), K, max(num_local, 1), H, inter)
+        if fp8:
+            # One 128-column GEMM1 program per activation group: the split tiles' tickets would need
+            # zeroing in this workspace's own schedule launch (the bits are the same either way).
+            g1["BLOCK_N"] = GROUP
         ret_args = dict(kernel=_ep_fp8_gemm2_push_kernel if fp8 else _ep_gemm2_push_kernel,
                         extra_args=(self.ret_tab, self.rank, T * K), ELEM_BYTES=self.seg_ret.element_size())
 

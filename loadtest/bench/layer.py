@@ -379,10 +379,11 @@ def sweep_variants_fp8(tokens, top_k, E, H, I):
             ("swap deep", v(sw1, num_stages=6), v(sw2, num_stages=8)),
         ]
     if avg <= 16:
-        # GEMM1 in 64-column programs, two per activation group (the last quantizes it): twice the
-        # programs reading weights where one token's experts give 6-16 per expert (Qwen3-30B-A3B at
-        # 1 token: 48 programs for 132 SMs), half the shared memory per program (two per SM).
-        out += [("g1 n64", v(d1, BLOCK_N=64), d2), ("g1 n64 s4", v(d1, BLOCK_N=64, num_stages=4), d2),
+        # GEMM1 in 64-column programs, two per activation group (the last quantizes it; the default
+        # with 16-row tiles), or in 128-column ones: twice the programs reading weights where one
+        # token's experts give few (Qwen3-30B-A3B at 1 token: 48 of 128 columns for 132 SMs).
+        other = 128 if d1.get("BLOCK_N", 128) == 64 else 64
+        out += [(f"g1 n{other}", v(d1, BLOCK_N=other), d2), ("g1 n64 s4", v(d1, BLOCK_N=64, num_stages=4), d2),
                 ("g1 n64 s8", v(d1, BLOCK_N=64, num_stages=8), d2)]
     return out
 
