@@ -15,8 +15,8 @@ Computes the function of ``fp8.fused_moe_fp8_reference`` with the structure of `
    are scaled in fp32 before they join the accumulator; the tensor core only ever sums 128
    products). Epilogue: gate/up rounded to the input dtype, ``silu(gate) * up`` rounded to the input
    dtype, then quantized per row over the tile's 128 columns -- exactly one activation group, which
-   is why GEMM1's column tile is 128, or 64 with two programs per group of which the last to finish
-   quantizes the whole group (``BLOCK_N`` 64) -- into ``act_q`` (e4m3) and ``act_s`` (fp32).
+   is why GEMM1's column tile is 128, or 64 or 32 with two or four programs per group of which the
+   last to finish quantizes the whole group (``BLOCK_N``) -- into ``act_q`` (e4m3) and ``act_s`` (fp32).
 3. ``_fp8_gemm2_kernel`` -- grouped GEMM over ``w2`` on ``act_q`` with the same per-K-block scaling,
    each output row rounded to the input dtype and scattered to its (token, k) slot of ``y``.
 4. ``cuda/moe.py``'s ``_moe_combine_kernel`` -- fp32 weighted top-k sum in k order.
@@ -92,11 +92,11 @@ def _fp8_gemm1_kernel(
     GROUP_M: tl.constexpr, SWAP_AB: tl.constexpr, RNE_FIX: tl.constexpr, PDL: tl.constexpr,
 ):
     """``BLOCK_N`` intermediate columns (gate and up) per program: 128, one activation group, or
-    64, where two programs share a group: each writes its ``silu(gate) * up``
-    half to ``acth`` and takes a ticket of the group (``ticket_ptr``: int32 per (row tile, group),
+    64 or 32, where two or four programs share a group: each writes its ``silu(gate) * up``
+    part to ``acth`` and takes a ticket of the group (``ticket_ptr``: int32 per (row tile, group),
     zeroed by the schedule launch), and the last to arrive (acquire after the other's release)
     quantizes the whole group from ``acth``. Every element's arithmetic is the 128-column tile's
-    and the group's maximum is exact, so both give the same bits; the split doubles the programs
+    and the group's maximum is exact, so all give the same bits; the split multiplies the programs
     that read weights where one token's few experts would leave most SMs idle."""
     grid_dependency(PDL)
     in_use, pid_n, e, m0, count_e, start_e = expert_tile(
@@ -252,8 +252,8 @@ def launch_fp8_gemm1(
     most), ``silu(gate) * up`` of quantized token row ``xq[t]`` (scales ``xs[t]``; both contiguous
     ``[*, H]`` / ``[*, cdiv(H, 128)]``), rounded as ``in_dtype``, quantized into ``act_q[i]`` /
     ``act_s[i]``. ``config`` is GEMM1's entry of ``pick_configs_fp8``; ``w13`` has >= 1 expert.
-    With ``BLOCK_N`` 64 in it, ``act_h`` (``[rows, I]``, ``in_dtype``) holds the
-    group halves and ``tickets`` (``split_group_tickets`` int32 words) must be zero, as the
+    With ``BLOCK_N`` 64 or 32 in it, ``act_h`` (``[rows, I]``, ``in_dtype``) holds the
+    group parts and ``tickets`` (``split_group_tickets`` int32 words) must be zero, as the
     schedule launch leaves them."""
     num_local, two_i, hidden = w13.shape
     inter = two_i // 2
@@ -262,11 +262,11 @@ def launch_fp8_gemm1(
     g.setdefault("SWAP_AB", False)
     bn = g.setdefault("BLOCK_N", GROUP)
     if bn != GROUP:
-        if bn != GROUP // 2:
-            raise ValueError(f"FP8 GEMM1's BLOCK_N is 128 (one activation group) or 64 (two programs a group): {config}")
+        if bn not in (GROUP // 2, GROUP // 4):
+            raise ValueError(f"FP8 GEMM1's BLOCK_N is 128 (one activation group), 64 or 32 (two or four programs a group): {config}")
         if act_h is None or tickets is None or act_h.dtype != in_dtype or act_h.shape != act_q.shape \
                 or tickets.dtype != torch.int32 or tickets.numel() < split_group_tickets(rows, inter):
-            raise ValueError("split FP8 GEMM1 tiles (BLOCK_N 64) need act_h like act_q in the input dtype and "
+            raise ValueError("split FP8 GEMM1 tiles (BLOCK_N 64 or 32) need act_h like act_q in the input dtype and "
                              "split_group_tickets int32 tickets")
     num_m = max_row_tiles(rows, num_local, g["BLOCK_M"])
     _fp8_gemm1_kernel[(num_m * triton.cdiv(inter, bn),)](

@@ -384,7 +384,9 @@ def sweep_variants_fp8(tokens, top_k, E, H, I):
         # token's experts give few (Qwen3-30B-A3B at 1 token: 48 of 128 columns for 132 SMs).
         other = 128 if d1.get("BLOCK_N", 128) == 64 else 64
         out += [(f"g1 n{other}", v(d1, BLOCK_N=other), d2), ("g1 n64 s4", v(d1, BLOCK_N=64, num_stages=4), d2),
-                ("g1 n64 s8", v(d1, BLOCK_N=64, num_stages=8), d2)]
+                ("g1 n64 s8", v(d1, BLOCK_N=64, num_stages=8), d2),
+                # Four programs per group (wgmma's smallest M side, 2 x 32 weight columns swapped).
+                ("g1 n32", v(d1, BLOCK_N=32), d2), ("g1 n32 s8", v(d1, BLOCK_N=32, num_stages=8), d2)]
     return out
 
 def sweep(shapes, points, seed, log, clocks, labels=None, repeats=1, fp8=False):

@@ -58,8 +58,8 @@ def build(name, fn, types, ints, consts, num_warps, num_stages):
 
 for tokens in (1, 512, 1024, 4096):
     g1, g2 = tf.pick_configs_fp8(tokens, K, E, H, I)
-    # As picked (at 1 token 64-column programs, two per activation group), there also with 128.
-    for suffix, bn in (("", g1.get("BLOCK_N", 128)),) + ((("_n128", 128),) if tokens == 1 else ()):
+    # As picked (at 1 token 64-column programs, two per activation group), there also with 128 and 32.
+    for suffix, bn in (("", g1.get("BLOCK_N", 128)),) + ((("_n128", 128), ("_n32", 32)) if tokens == 1 else ()):
         build(f"gemm1{suffix}_T{tokens}", tf._fp8_gemm1_kernel,
               dict(xq_ptr=ptr("fp8e4nv"), xs_ptr=ptr("fp32"), w_ptr=ptr("fp8e4nv"), ws_ptr=ptr("fp32"),
                    actq_ptr=ptr("fp8e4nv"), acts_ptr=ptr("fp32"), acth_ptr=ptr("bf16"), ticket_ptr=ptr("i32"),

@@ -93,8 +93,8 @@ def test_tile_regimes_give_the_same_bits():
 
 
 def test_split_gemm1_column_tiles_give_the_same_bits():
-    """GEMM1 in 64-column programs, two per activation group (the last to finish quantizes the
-    group): the same bits as 128-column ones, for both families at decode and streaming sizes,
+    """GEMM1 in 64- or 32-column programs, two or four per activation group (the last to finish
+    quantizes the group): the same bits as 128-column ones, for both families at decode and streaming sizes,
     uniform and skewed, and replayed in a CUDA graph."""
     g = torch.Generator(device=DEV).manual_seed(fresh_seed())
     for family in ("DeepSeek-V3", "Qwen3-30B-A3B"):
@@ -106,8 +106,9 @@ def test_split_gemm1_column_tiles_give_the_same_bits():
                 tw, ids = routing(tokens, E, 8, skewed=skewed, gen=g)
                 g1, g2 = pick_configs_fp8(tokens, 8, E, H, I)
                 whole = poisoned_call(fused_moe_fp8_triton, x, *fp8, tw, ids, configs=(dict(g1, BLOCK_N=128), g2))
-                split = poisoned_call(fused_moe_fp8_triton, x, *fp8, tw, ids, configs=(dict(g1, BLOCK_N=64), g2))
-                assert torch.equal(split, whole), (family, tokens, skewed)
+                for bn in (64, 32):
+                    split = poisoned_call(fused_moe_fp8_triton, x, *fp8, tw, ids, configs=(dict(g1, BLOCK_N=bn), g2))
+                    assert torch.equal(split, whole), (family, tokens, skewed, bn)
         x = torch.randn(8, H, device=DEV, dtype=torch.bfloat16, generator=g)
         tw, ids = routing(8, E, 8, gen=g)
         configs = (dict(pick_configs_fp8(8, 8, E, H, I)[0], BLOCK_N=64), pick_configs_fp8(8, 8, E, H, I)[1])

@@ -156,28 +156,30 @@ def test_tile_configs_agree_bitwise(cfg):
         (40, 200, dict(BLOCK_M=16, SWAP_AB=True)),  # a last group of 72 columns: two programs, one short
         (9, 192, dict(BLOCK_M=32, SWAP_AB=True)),  # a last group of 64 columns: one program quantizes alone
         (40, 256, dict(BLOCK_M=64, GROUP_M=2)),  # unswapped 64-row tiles
+        (40, 200, dict(BLOCK_M=16, SWAP_AB=True, BLOCK_N=32)),  # four programs a group; the last group's 72: three
     ],
 )
 def test_split_gemm1_column_tiles_give_the_same_bits(tokens, inter, g1):
-    # BLOCK_N 64: two programs per activation group, the last to arrive quantizes the group from
-    # the halves both wrote (int32 tickets the schedule launch zeroes). The same bits as one
+    # BLOCK_N 64 or 32: two or four programs per activation group, the last to arrive quantizes
+    # the group from the parts all wrote (int32 tickets the schedule launch zeroes). The same bits as one
     # 128-column program per group, and run twice (the tickets start from zero each call).
     x, fp8, weights, ids = make(tokens, 128, inter, 4, 2, seed=tokens + inter)
     ids[: tokens // 2, 0] = 0  # a busy expert: several row tiles
-    base = {**g1, "num_warps": 4, "num_stages": 2}
+    base = {**g1, "num_warps": 4, "num_stages": 2, "BLOCK_N": 128}
+    split_n = g1.get("BLOCK_N", 64)
     g2 = dict(BLOCK_M=g1["BLOCK_M"], BLOCK_N=64, SWAP_AB=g1.get("SWAP_AB", False), num_warps=4, num_stages=2)
     whole = tf.fused_moe_fp8_triton(x, *fp8, weights, ids, configs=(base, g2))
     assert rel_err(whole, fused_moe_fp8_reference(x, *fp8, weights, ids)) <= 1e-3
     for _ in range(2):
-        split = tf.fused_moe_fp8_triton(x, *fp8, weights, ids, configs=(dict(base, BLOCK_N=64), g2))
+        split = tf.fused_moe_fp8_triton(x, *fp8, weights, ids, configs=(dict(base, BLOCK_N=split_n), g2))
         assert torch.equal(split, whole)
 
 
 def test_split_gemm1_needs_its_buffers_and_a_half_group():
     x, fp8, weights, ids = make(4, 128, 128, 2, 1, seed=5)
     g1, g2 = tf.pick_configs_fp8(4, 1, 2, 128, 128)
-    with pytest.raises(ValueError, match="BLOCK_N is 128 .* or 64"):
-        tf.fused_moe_fp8_triton(x, *fp8, weights, ids, configs=(dict(g1, BLOCK_N=32), g2))
+    with pytest.raises(ValueError, match="BLOCK_N is 128 .* 64 or 32"):
+        tf.fused_moe_fp8_triton(x, *fp8, weights, ids, configs=(dict(g1, BLOCK_N=16), g2))
     rows = ids.numel()
     xq = torch.empty(4, 128, dtype=torch.float8_e4m3fn)
     act_q = torch.empty(rows, 128, dtype=torch.float8_e4m3fn)

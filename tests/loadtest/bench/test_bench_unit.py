@@ -61,7 +61,7 @@ def test_fp8_sweep_offers_both_gemm1_column_tiles_at_decode_only():
     from mok_serve.loadtest.bench.layer import sweep_variants_fp8
 
     decode = {label: g1 for label, g1, _ in sweep_variants_fp8(1, 8, 128, 2048, 768)}  # 16-row tiles
-    assert [decode[m]["BLOCK_N"] for m in ("default", "g1 n128", "g1 n64 s4", "g1 n64 s8")] == [64, 128, 64, 64]
+    assert [decode[m]["BLOCK_N"] for m in ("default", "g1 n128", "g1 n64 s4", "g1 n64 s8", "g1 n32")] == [64, 128, 64, 64, 32]
     wider = {label: g1 for label, g1, _ in sweep_variants_fp8(512, 8, 256, 7168, 2048)}  # 32-row tiles
     assert wider["default"].get("BLOCK_N", 128) == 128 and wider["g1 n64"]["BLOCK_N"] == 64
     streaming = [label for label, _, _ in sweep_variants_fp8(4096, 8, 128, 2048, 768)]
