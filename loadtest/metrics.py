@@ -20,7 +20,7 @@ The definitions follow ``vllm/benchmarks/serve.py`` (``calculate_metrics``) and
   statistic of an empty set, this module reports ``None``.
 - peak output tokens/s: vLLM's one-second bucket maximum (token times rebuilt from TTFT + ITLs).
 
-Beyond vLLM's figures: which requests were *bunched* (tokens in bursts, see ``bunching``), per
+Beyond vLLM's figures: requests in flight (mean and peak, ``requests_in_flight``), and which requests were *bunched* (tokens in bursts, see ``bunching``), per
 request and counted per run, since their TTFT, TPOT and ITL do not time the server's tokens.
 """
 
@@ -120,6 +120,25 @@ def peak_output_tokens_per_s(records: list[RequestRecord]) -> float:
     return float(buckets.max())
 
 
+def requests_in_flight(records: list[RequestRecord]) -> dict[str, float | None]:
+    """Successful requests sent and not yet finished: the time-weighted mean over the span from the
+    first send to the last finish (Little's law: sum of latencies / span) and the peak. At a fixed
+    concurrency both sit near it; in a Poisson run a peak far above rate x latency says the server
+    fell behind and a backlog formed."""
+    ok = [r for r in records if r.success]
+    if not ok:
+        return {"mean": None, "peak": None}
+    t0 = min(r.start_time for r in ok)
+    span = max(r.start_time + r.latency for r in ok) - t0
+    # Ends sort before starts at the same time: a slot handed on is not two requests at once.
+    events = sorted([(r.start_time + r.latency, -1) for r in ok] + [(r.start_time, 1) for r in ok])
+    now = peak = 0
+    for _, step in events:
+        now += step
+        peak = max(peak, now)
+    return {"mean": sum(r.latency for r in ok) / span if span > 0 else None, "peak": peak}
+
+
 def summarize(records: list[RequestRecord], duration_s: float, percentiles=PERCENTILES) -> dict[str, Any]:
     """The per-run summary: counts, throughputs and latency statistics (see the module doc)."""
     ok = [r for r in records if r.success]
@@ -142,6 +161,7 @@ def summarize(records: list[RequestRecord], duration_s: float, percentiles=PERCE
         "output_throughput": total_output / dur,
         "total_token_throughput": (total_input + total_output) / dur,
         "peak_output_throughput": peak_output_tokens_per_s(records),
+        "in_flight": requests_in_flight(records),
         "output_len_mismatches": sum(
             1 for r in ok if r.expected_output_len and r.output_tokens != r.expected_output_len
         ),

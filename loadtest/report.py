@@ -28,6 +28,8 @@ DETAIL = [
     ("output tok/s", ("output_throughput",), "{:.1f}", "higher"),
     ("total tok/s", ("total_token_throughput",), "{:.1f}", "higher"),
     ("peak output tok/s (1 s buckets)", ("peak_output_throughput",), "{:.0f}", "higher"),
+    ("requests in flight, mean", ("in_flight", "mean"), "{:.1f}", None),
+    ("requests in flight, peak", ("in_flight", "peak"), "{:d}", None),
 ] + [
     (f"{m.upper()} {s} ms", (m, f"{s}_ms"), "{:.3f}" if m in ("tpot", "itl") else "{:.2f}", "lower")
     for m in ("ttft", "tpot", "itl", "e2el")
@@ -275,7 +277,8 @@ def detail_table(results: dict[str, Any], name: str) -> str:
 
 
 def _ratioable(label: str) -> bool:
-    return label not in ("completed", "failed", "duration s")
+    """Rows with a better direction (counts, durations and requests in flight have none)."""
+    return any(row[0] == label and row[3] is not None for row in DETAIL)
 
 
 def layers_table(results: dict[str, Any], name: str) -> str | None:

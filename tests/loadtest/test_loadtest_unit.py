@@ -70,6 +70,20 @@ def test_tpot_definition_and_single_token_requests():
     assert s["output_throughput"] == pytest.approx(3.0)
 
 
+def test_requests_in_flight_mean_and_peak():
+    from mok_serve.loadtest.metrics import requests_in_flight
+
+    # Two back to back on one slot (the second sent as the first ends), one overlapping both.
+    recs = [RequestRecord(index=0, success=True, start_time=0.0, latency=1.0),
+            RequestRecord(index=1, success=True, start_time=1.0, latency=1.0),
+            RequestRecord(index=2, success=True, start_time=0.5, latency=1.0),
+            RequestRecord(index=3, error="x", start_time=0.2, latency=5.0)]  # failed: not counted
+    got = requests_in_flight(recs)
+    assert got["peak"] == 2 and got["mean"] == pytest.approx(3.0 / 2.0)
+    assert summarize(recs, 2.0)["in_flight"] == got
+    assert requests_in_flight([recs[3]]) == {"mean": None, "peak": None}
+
+
 def test_empty_and_all_failed():
     s = summarize([RequestRecord(index=0, error="x")], 1.0)
     assert s["completed"] == 0 and s["failed"] == 1 and s["output_throughput"] == 0
