@@ -87,8 +87,8 @@ from ..reference import check_fused_moe_args
 from .configs import combine_block, pick_configs, pick_configs_fp8
 from .fp8_tiles import GROUP, fp8_gemm2_tile, quantize_tile
 from .launch import interpreting, pdl_launch
-from .moe import launch_gemm1, launch_gemm2, launch_schedule
-from .moe_fp8 import QROWS, launch_fp8_gemm1, launch_fp8_gemm2, quantize_programs
+from .moe import _moe_schedule_zero_kernel, launch_gemm1, launch_gemm2, launch_schedule
+from .moe_fp8 import QROWS, launch_fp8_gemm1, launch_fp8_gemm2, quantize_programs, split_group_tickets
 from .tiles import cast, expert_tile, gemm1_tile, gemm2_tile, grid_dependency, now, tile_rows
 
 __all__ = ["ExpertPlacement", "PeerTimeoutError", "SymmetricMemoryEPWorkspace"]
@@ -647,7 +647,7 @@ class SymmetricMemoryEPWorkspace:
         self.queue = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.xl = torch.empty(S * T, H, dtype=x_dtype, device=self.device)
         self.xsl = torch.empty(S * T, G, dtype=torch.float32, device=self.device) if fp8 else None
-        self.counts = self.sorted_rows = self.act = self.act_s = None
+        self.counts = self.sorted_rows = self.act = self.act_s = self.act_h = self.tickets = None
         self.epoch = 0  # host mirror of eager calls, for naming the layer in errors
         self._layers: dict[int, str] = {}
 
@@ -701,6 +701,10 @@ class SymmetricMemoryEPWorkspace:
             if self.quant == "fp8":
                 self.act = torch.empty(rows, inter, dtype=FP8_DTYPE, device=self.device)
                 self.act_s = torch.empty(rows, triton.cdiv(inter, GROUP), dtype=torch.float32, device=self.device)
+                # GEMM1's split column tiles (BLOCK_N < 128): the group parts and the tickets that
+                # the schedule launch zeroes per call.
+                self.act_h = torch.empty(rows, inter, dtype=self.dtype, device=self.device)
+                self.tickets = torch.empty(split_group_tickets(rows, inter), dtype=torch.int32, device=self.device)
             else:
                 self.act = torch.empty(rows, inter, dtype=self.dtype, device=self.device)
 
@@ -846,18 +850,17 @@ class SymmetricMemoryEPWorkspace:
                 SCALES=fp8, BLOCK_G=max(16, triton.next_power_of_2(G)) if fp8 else 16, num_warps=4, **pdl,
             )
 
+        picker = pick_configs_fp8 if fp8 else pick_configs
+        g1, g2 = picker(max(tokens, 1), K, max(num_local, 1), H, inter)
+        split = fp8 and g1.get("BLOCK_N", GROUP) != GROUP  # FP8 GEMM1 programs share groups: zero their tickets
+
         def schedule():
             if num_local == 0:
                 return
+            zero = dict(kernel=_moe_schedule_zero_kernel, extra_programs=1,
+                        extra_args=(self.tickets, split_group_tickets(rows, inter))) if split else {}
             launch_schedule(self.all_ids[: S * T], expert_map, self.counts, self.sorted_rows, num_local, self.num_global,
-                            pdl=pdl_on)
-
-        picker = pick_configs_fp8 if fp8 else pick_configs
-        g1, g2 = picker(max(tokens, 1), K, max(num_local, 1), H, inter)
-        if fp8:
-            # One 128-column GEMM1 program per activation group: the split tiles' tickets would need
-            # zeroing in this workspace's own schedule launch (the bits are the same either way).
-            g1["BLOCK_N"] = GROUP
+                            pdl=pdl_on, **zero)
         ret_args = dict(kernel=_ep_fp8_gemm2_push_kernel if fp8 else _ep_gemm2_push_kernel,
                         extra_args=(self.ret_tab, self.rank, T * K), ELEM_BYTES=self.seg_ret.element_size())
 
@@ -869,7 +872,8 @@ class SymmetricMemoryEPWorkspace:
                 w13_scale, w2_scale = scales
                 launch_fp8_gemm1(
                     self.xl, self.xsl, w13, w13_scale, self.act, self.act_s, self.sorted_rows, self.counts,
-                    rows, K, g1, in_dtype=self.dtype, scale_bn=scale_bn, interpret=interpret, pdl=pdl_on,
+                    rows, K, g1, act_h=self.act_h, tickets=self.tickets, in_dtype=self.dtype, scale_bn=scale_bn,
+                    interpret=interpret, pdl=pdl_on,
                 )
                 launch_fp8_gemm2(
                     self.act, self.act_s, w2, w2_scale, y, self.sorted_rows, self.counts, rows, g2,
