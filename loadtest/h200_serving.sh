@@ -4,6 +4,9 @@
 # graphs, torch.compile, chunked prefill). One backend per call, as a server start takes ~2.5 min
 # and one device call cannot hold two starts and both grids:
 #   bash loadtest/h200_serving.sh SHAPE BACKEND OUT [RATE]    # BACKEND: stock or kittens
+# RATE (req/s, default 24) is meant to sit just below saturation: about 0.9 x the output tok/s of
+# the c=128 run / 256 tokens (Qwen3-30B-A3B bf16: 18; the 6-layer DeepSeek-V3 shape bf16: 12).
+# Above it requests pile up and the run measures the backlog (the report's requests in flight).
 #   mok-loadtest merge OUT/stock OUT/kittens --out OUT        # after both: one report (and the history.csv rows)
 # Results go to OUT/BACKEND (results.json, report.md, plots, server.log). With BENCH=1, vLLM's own
 # `vllm bench serve` then measures the 512/256 concurrency-32 point on the same server
