@@ -76,6 +76,7 @@ from .tiles import (
     tile_of,
     tile_rows,
     two_height_tile_of,
+    zero_words,
 )
 
 __all__ = [
@@ -220,9 +221,7 @@ def _moe_schedule_zero_kernel(
             num_rows, num_global, num_local, stride_it, stride_ik, TOPK, HAS_MAP, BLOCK, False,
         )
     else:
-        offs = tl.arange(0, BLOCK)
-        for start in range(0, num_sync, BLOCK):
-            tl.store(sync_ptr + start + offs, tl.zeros([BLOCK], dtype=tl.int32), mask=start + offs < num_sync)
+        zero_words(sync_ptr, num_sync, BLOCK)
 
 
 @triton.jit(do_not_specialize=["num_m", "narrow_m"])  # per-call tile counts

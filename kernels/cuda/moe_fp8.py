@@ -43,7 +43,7 @@ from .configs import pick_configs_fp8
 from .fp8_tiles import GROUP, fp8_gemm2_tile, quantize_rows, quantize_tile, scaled_block_dot
 from .launch import e_pad, gemm_config, interpreting, layer_setup, max_row_tiles, pdl_launch, w2_operand
 from .moe import launch_combine, launch_schedule
-from .tiles import acc_zeros, cast, expert_tile, grid_dependency, load_cols, load_rows, moe_schedule_kernel, scatter_rows, tile_rows
+from .tiles import acc_zeros, cast, expert_tile, grid_dependency, load_cols, load_rows, moe_schedule_kernel, scatter_rows, tile_rows, zero_words
 
 __all__ = [
     "fused_moe_fp8_triton", "launch_fp8_gemm1", "launch_fp8_gemm2", "launch_fp8_schedule_quantize", "quantize_programs",
@@ -76,9 +76,7 @@ def _fp8_schedule_quantize_kernel(
         )
     else:
         if pid == num_local:  # GEMM1's group tickets (split column tiles), zero before GEMM1 starts
-            offs = tl.arange(0, BLOCK)
-            for start in range(0, num_tickets, BLOCK):
-                tl.store(ticket_ptr + start + offs, tl.zeros([BLOCK], dtype=tl.int32), mask=start + offs < num_tickets)
+            zero_words(ticket_ptr, num_tickets, BLOCK)
         quantize_tile(pid - num_local, x_ptr, xq_ptr, xs_ptr, tokens, H, stride_xt, stride_xh, QROWS, RNE_FIX)
 
 

@@ -15,7 +15,7 @@ from .. import bad_ids
 __all__ = [
     "acc_zeros", "cast", "dot", "expert_ids", "expert_tile", "gemm1_tile", "gemm2_tile", "grid_dependency",
     "load_cols", "load_rows", "local_expert_ids", "mma", "moe_schedule_kernel", "now", "program_tile",
-    "report_bad_ids", "scatter_rows", "tile_of", "tile_rows", "two_height_tile_of",
+    "report_bad_ids", "scatter_rows", "tile_of", "tile_rows", "two_height_tile_of", "zero_words",
 ]
 
 
@@ -78,6 +78,15 @@ def grid_dependency(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def zero_words(ptr, n, BLOCK: tl.constexpr):
+    """Zero ``n`` int32 words at ``ptr`` (one program; the sync words and tickets a schedule launch
+    clears for the kernels after it)."""
+    offs = tl.arange(0, BLOCK)
+    for start in range(0, n, BLOCK):
+        tl.store(ptr + start + offs, tl.zeros([BLOCK], dtype=tl.int32), mask=start + offs < n)
 
 
 @triton.jit
