@@ -11,7 +11,10 @@ import triton
 
 from ..env import knob
 
-__all__ = ["combine_block", "kernel_variants", "kernel_variants_fp8", "pick_configs", "pick_configs_fp8", "schedule_block"]
+__all__ = [
+    "combine_block", "fp8_split_max_tokens", "kernel_variants", "kernel_variants_fp8", "pick_configs", "pick_configs_fp8",
+    "schedule_block",
+]
 
 
 def kdim_block(k_dim: int, most: int = 64) -> int:
@@ -170,6 +173,16 @@ def pick_configs_fp8(tokens: int, top_k: int, num_local: int, hidden: int, inter
     return dict(g1), dict(g2)
 
 
+# Rows per expert up to which FP8 decode uses 16-row tiles and GEMM1's split column tiles.
+_FP8_SPLIT_AVG_ROWS = 12
+
+
+def fp8_split_max_tokens(top_k: int, num_local: int) -> int:
+    """The most tokens a call may have for ``pick_configs_fp8`` to give GEMM1 split column tiles
+    (``BLOCK_N`` < 128), so a workspace sizes their half-activation buffer for those calls only."""
+    return _FP8_SPLIT_AVG_ROWS * max(num_local, 1) // top_k
+
+
 @functools.lru_cache(maxsize=4096)
 def _pick_configs_fp8(tokens: int, top_k: int, num_local: int, hidden: int, inter: int) -> tuple[dict, dict]:
     avg = tokens * top_k / max(num_local, 1)
@@ -185,7 +198,7 @@ def _pick_configs_fp8(tokens: int, top_k: int, num_local: int, hidden: int, inte
             # Sweeps at 19e0e05 and 1ff7aa2 (git history: loadtest/results/sweep_fp8_swap_19e0e05.log at bc6ca55, git history: loadtest/results/sweep_fp8_m32_1ff7aa2.log at d7a715b,
             # DeepSeek-V3 and Kimi-K2, 1-512 tokens): 12-19% faster than 64-row tiles; 16 rows best up
             # to 10.7 rows per expert, 32 rows at 16 (where 16-row tiles split more experts in two).
-            bm = 16 if avg <= 12 else 32
+            bm = 16 if avg <= _FP8_SPLIT_AVG_ROWS else 32
             g1 = dict(BLOCK_M=bm, num_warps=4, num_stages=6, GROUP_M=1, SWAP_AB=True)
             if bm == 16:
                 # GEMM1 in 64-column programs, two per activation group (the last quantizes it): twice

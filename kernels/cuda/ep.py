@@ -84,7 +84,7 @@ from ..env import knob
 from ..ep_types import ExpertPlacement, PeerTimeoutError, call_bound
 from ..fp8 import BLOCK_SHAPE, FP8_DTYPE, check_fused_moe_fp8_args
 from ..reference import check_fused_moe_args
-from .configs import combine_block, pick_configs, pick_configs_fp8
+from .configs import combine_block, fp8_split_max_tokens, pick_configs, pick_configs_fp8
 from .fp8_tiles import GROUP, fp8_gemm2_tile, quantize_tile
 from .launch import interpreting, pdl_launch
 from .moe import _moe_schedule_zero_kernel, launch_gemm1, launch_gemm2, launch_schedule
@@ -701,10 +701,12 @@ class SymmetricMemoryEPWorkspace:
             if self.quant == "fp8":
                 self.act = torch.empty(rows, inter, dtype=FP8_DTYPE, device=self.device)
                 self.act_s = torch.empty(rows, triton.cdiv(inter, GROUP), dtype=torch.float32, device=self.device)
-                # GEMM1's split column tiles (BLOCK_N < 128): the group parts and the tickets that
-                # the schedule launch zeroes per call.
-                self.act_h = torch.empty(rows, inter, dtype=self.dtype, device=self.device)
-                self.tickets = torch.empty(split_group_tickets(rows, inter), dtype=torch.int32, device=self.device)
+                # GEMM1's split column tiles (BLOCK_N < 128), picked for calls of at most
+                # fp8_split_max_tokens: the group parts and the tickets the schedule launch zeroes
+                # per call, sized for those calls' rows only.
+                split_rows = self.sources * min(self.max_tokens, fp8_split_max_tokens(self.top_k, num_local)) * self.top_k
+                self.act_h = torch.empty(split_rows, inter, dtype=self.dtype, device=self.device)
+                self.tickets = torch.empty(split_group_tickets(split_rows, inter), dtype=torch.int32, device=self.device)
             else:
                 self.act = torch.empty(rows, inter, dtype=self.dtype, device=self.device)
 
@@ -851,7 +853,7 @@ class SymmetricMemoryEPWorkspace:
             )
 
         picker = pick_configs_fp8 if fp8 else pick_configs
-        g1, g2 = picker(max(tokens, 1), K, max(num_local, 1), H, inter)
+        g1, g2 = picker(T, K, max(num_local, 1), H, inter)  # by T, the bound rows are laid out for
         split = fp8 and g1.get("BLOCK_N", GROUP) != GROUP  # FP8 GEMM1 programs share groups: zero their tickets
 
         def schedule():

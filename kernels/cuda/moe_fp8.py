@@ -250,7 +250,7 @@ def launch_fp8_gemm1(
     most), ``silu(gate) * up`` of quantized token row ``xq[t]`` (scales ``xs[t]``; both contiguous
     ``[*, H]`` / ``[*, cdiv(H, 128)]``), rounded as ``in_dtype``, quantized into ``act_q[i]`` /
     ``act_s[i]``. ``config`` is GEMM1's entry of ``pick_configs_fp8``; ``w13`` has >= 1 expert.
-    With ``BLOCK_N`` 64 or 32 in it, ``act_h`` (``[rows, I]``, ``in_dtype``) holds the
+    With ``BLOCK_N`` 64 or 32 in it, ``act_h`` (``[>= rows, I]``, ``in_dtype``) holds the
     group parts and ``tickets`` (``split_group_tickets`` int32 words) must be zero, as the
     schedule launch leaves them."""
     num_local, two_i, hidden = w13.shape
@@ -262,10 +262,10 @@ def launch_fp8_gemm1(
     if bn != GROUP:
         if bn not in (GROUP // 2, GROUP // 4):
             raise ValueError(f"FP8 GEMM1's BLOCK_N is 128 (one activation group), 64 or 32 (two or four programs a group): {config}")
-        if act_h is None or tickets is None or act_h.dtype != in_dtype or act_h.shape != act_q.shape \
-                or tickets.dtype != torch.int32 or tickets.numel() < split_group_tickets(rows, inter):
-            raise ValueError("split FP8 GEMM1 tiles (BLOCK_N 64 or 32) need act_h like act_q in the input dtype and "
-                             "split_group_tickets int32 tickets")
+        if act_h is None or tickets is None or act_h.dtype != in_dtype or act_h.dim() != 2 or act_h.shape[0] < rows \
+                or act_h.shape[1] != inter or tickets.dtype != torch.int32 or tickets.numel() < split_group_tickets(rows, inter):
+            raise ValueError(f"split FP8 GEMM1 tiles (BLOCK_N 64 or 32) need act_h [>= {rows}, {inter}] in {in_dtype} and "
+                             f"{split_group_tickets(rows, inter)} int32 tickets (split_group_tickets)")
     num_m = max_row_tiles(rows, num_local, g["BLOCK_M"])
     _fp8_gemm1_kernel[(num_m * triton.cdiv(inter, bn),)](
         xq, xs, w13, w13_scale, act_q, act_s, act_q if act_h is None else act_h, counts if tickets is None else tickets,

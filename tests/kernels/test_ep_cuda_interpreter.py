@@ -18,6 +18,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
 from mok_serve.kernels import fused_moe_fp8_reference, fused_moe_reference  # noqa: E402
+from mok_serve.kernels.cuda.configs import fp8_split_max_tokens  # noqa: E402
 from mok_serve.kernels.fp8 import quantize_fp8_blocks, quantize_fp8_groups  # noqa: E402
 from ep_sim import local_experts, run_call, run_split, simulated_ranks  # noqa: E402
 from moe_test_utils import interpreted_cuda_modules, rel_err  # noqa: E402
@@ -226,6 +227,23 @@ def test_ep_fp8_equals_one_gpu_fp8_kernel_bitwise(world, return_mode, cases):
     for ws in ranks:
         ws.check_errors()
         assert int(ws.state[ep_cuda.ST_EPOCH]) == len(cases) + 1
+
+
+def test_ep_fp8_split_tiles_only_below_their_token_bound():
+    # 2 local experts, top-4: GEMM1's split tiles (and their act_h rows) for calls of <= 6 tokens,
+    # fewer than the workspace's 8. Calls on both sides of that bound, and one whose own rank has 2
+    # tokens but whose bound is 8 (the configs follow the bound the rows are laid out for).
+    world, num_experts = 4, 8
+    split_max = fp8_split_max_tokens(TOP_K, num_experts // world)
+    assert split_max == 6 < MAX_T
+    ranks, placement, _ = make_ranks(world, num_experts, quant="fp8", hidden=HIDDEN_F8)
+    for call, counts in enumerate([(6, 2, 5, 0), (MAX_T, 3, 7, 1), (2, 2, 2, 2), (2, 0, 1, MAX_T)]):
+        x, fp8, weights, ids = global_inputs_fp8(60 + call, counts, num_experts)
+        got = run_split(ranks, placement, x, fp8, weights, ids, counts, layer=f"case{call}")
+        assert torch.equal(got, tf.fused_moe_fp8_triton(x, *fp8, weights, ids)), f"call {call} ({counts})"
+    for ws in ranks:
+        ws.check_errors()
+        assert ws.act_h.shape == (world * split_max * TOP_K, INTER_F8) and ws.act.shape[0] == world * MAX_T * TOP_K
 
 
 def test_ep_fp8_posts_quantized_rows_and_pulls_each_once():

@@ -17,6 +17,7 @@ triton = pytest.importorskip("triton")
 tl = triton.language
 
 from mok_serve.kernels import fused_moe_fp8_reference  # noqa: E402
+from mok_serve.kernels.cuda.configs import fp8_split_max_tokens  # noqa: E402
 from mok_serve.kernels.fp8 import dequantize_fp8_groups, quantize_fp8_groups  # noqa: E402
 from moe_test_utils import interpreted_cuda_modules, make_fp8_inputs, rel_err  # noqa: E402
 
@@ -221,6 +222,15 @@ def test_nan_stays_in_its_token():
     out = tf.fused_moe_fp8_triton(x, *fp8, weights, ids)
     assert torch.isnan(out[5]).all()
     assert not torch.isnan(torch.cat([out[:5], out[6:]])).any()
+
+
+def test_split_max_tokens_is_where_the_picker_stops_splitting():
+    for hidden, inter, experts, top_k in ((7168, 2048, 256, 8), (2048, 768, 128, 8), (7168, 2048, 32, 8), (192, 96, 2, 4)):
+        most = fp8_split_max_tokens(top_k, experts)
+        assert most >= 1
+        split = [tf.pick_configs_fp8(t, top_k, experts, hidden, inter)[0].get("BLOCK_N", tf.GROUP) < tf.GROUP
+                 for t in (1, most, most + 1)]
+        assert split == [True, True, False], (hidden, inter, experts, top_k, most)
 
 
 def test_pick_configs_static_wgmma_sized_and_within_registers():
