@@ -33,13 +33,14 @@ def test_layer_points_take_an_optional_routing():
 
 
 def test_sweep_keeps_every_given_point_whatever_shapes_are_selected():
-    # --fp8 selects DeepSeek-V3 and Kimi-K2 for its table; a Qwen3 sweep point was once dropped silently.
+    # --shapes may select fewer shapes than the sweep's default points; a point named on the command line
+    # (a Qwen3 one, once) must not be dropped silently.
     from mok_serve.loadtest.bench.layer import SWEEP_POINTS, sweep_points
 
-    fp8_table = {"DeepSeek-V3": {}, "Kimi-K2": {}}
+    selected = {"DeepSeek-V3": {}, "Kimi-K2": {}}  # --shapes DeepSeek-V3,Kimi-K2
     given = [("Qwen3-30B-A3B", 1, "uniform"), ("DeepSeek-V3", 8, "skewed")]
-    assert sweep_points(given, fp8_table) == given
-    assert sweep_points(None, fp8_table) == [pt for pt in SWEEP_POINTS if pt[0] != "Qwen3-30B-A3B"]
+    assert sweep_points(given, selected) == given
+    assert sweep_points(None, selected) == [pt for pt in SWEEP_POINTS if pt[0] != "Qwen3-30B-A3B"]
 
 
 def test_sweeps_offer_wider_token_tiles_for_concentrated_loads():
@@ -125,7 +126,7 @@ def test_layer_markdown_shows_the_clock_of_each_row(tmp_path):
 
     base = dict(shape="DeepSeek-V3", tokens=8192, routing="uniform", kittens_ms=12.6, floor_ms=7.31, bound="compute",
                 ratio_to_floor=1.72, torch_ms=18.2, transformers_ms=20.2, speedup_vs_torch=1.44,
-                speedup_vs_transformers=1.6, target="<= 1.25x floor (compute)", target_met=False,
+                speedup_vs_transformers=1.6, speedup_vs_best_baseline=1.44, target="<= 1.3x floor", target_met=False,
                 flops=5.77e12, bytes=2.3e10)
     rows = [{**base, "clock": {"kittens": dict(sm_mhz=1410.0, power_w=690.0, power_capped=0.92, samples=40)}},
             {**base, "tokens": 2048, "clock": {"kittens": None}}]
@@ -154,11 +155,13 @@ def test_layer_markdown_says_by_how_much_each_missed_target_is_missed(tmp_path):
 
     rows = [
         row(128, 1.0, 1.0, "weights", 1.5, 1e12, 4.4e9),  # 1.0x the floor: met
-        row(8, 1.0, 1.0, "weights", 1.6, 1e11, 4.4e9),  # 2x the baseline needs 5.5 TB/s
-        row(1, 0.1, 0.08, "weights", 0.19, 1e9, 3.6e8),  # needs 0.095 ms: 3.79 TB/s
-        row(8192, 10.0, 7.0, "compute", 15.0, 5.53e12, 2e10, mhz=1500.0),  # needs 8.75 ms
+        row(32, 1.0, 0.9, "weights", 0.95, 1e11, 4.4e9),  # no time target, but a baseline is faster
+        row(1, 0.1, 0.08, "weights", 0.19, 1e9, 3.6e8),  # needs floor + 10 us = 0.09 ms: 4.0 TB/s
+        row(8192, 10.0, 7.0, "compute", 15.0, 5.53e12, 2e10, mhz=1500.0),  # needs 1.3x the floor, 9.1 ms
     ]
     assert [r["target_met"] for r in rows] == [True, False, False, False]
+    assert [r["target"] for r in rows] == ["<= 1.1x floor (weights)", "no baseline faster [slower than a baseline]",
+                                           "<= floor + 10 us", "<= 1.3x floor"]
     meta = dict(gpu="NVIDIA H200", commit="abc1234", date="d", torch="t", triton="3", transformers="5",
                 timing="graphs", read_tb_s=4.2, sms=132)
     (tmp_path / "t.json").write_text(json.dumps(dict(meta=meta, rows=rows)))
@@ -167,11 +170,13 @@ def test_layer_markdown_says_by_how_much_each_missed_target_is_missed(tmp_path):
     text = (tmp_path / "t.md").read_text()
     misses = [line for line in text.split("## Targets not met")[1].splitlines() if line.startswith("| S |")]
     assert len(misses) == 3 and not any(line.startswith("| S | 128 |") for line in misses)
-    assert "| 0.800 | 1.000 | 25.0% | 5.50 | 4.40 |" in misses[0] and "above the HBM datasheet rate" in misses[0]
-    # The fastest read of the run is the met row's 4.4 TB/s; 3.79 is 86% of it.
-    assert "| 0.095 | 0.100 | 5.3% | 3.79 | 3.60 |" in misses[1] and "weight streaming: 86%" in misses[1]
-    # 4096 FLOP per SM per clock x 132 SMs x 1.5 GHz = 811 TFLOP/s; 632 of them is 78%.
-    assert "| 8.750 | 10.000 | 14.3% |" in misses[2] and "| 632 | 553 | 811 | compute: 78%" in misses[2]
+    # No time target at 32 tokens: it needs the baseline's 0.95 ms, 4.63 TB/s, more than the run's
+    # fastest read (the met row's 4.4 TB/s).
+    assert "| 0.950 | 1.000 | 5.3% | 4.63 | 4.40 |" in misses[0] and "faster than any row" in misses[0]
+    # 4.0 TB/s is 91% of the run's fastest read.
+    assert "| 0.090 | 0.100 | 11.1% | 4.00 | 3.60 |" in misses[1] and "weight streaming: 91%" in misses[1]
+    # 4096 FLOP per SM per clock x 132 SMs x 1.5 GHz = 811 TFLOP/s; 608 of them is 75%.
+    assert "| 9.100 | 10.000 | 9.9% |" in misses[2] and "| 608 | 553 | 811 | compute: 75%" in misses[2]
     # A run whose L2 flush writes says what the flush's write-back costs; a read-flushed run does not.
     assert "dirty lines" in text
     (tmp_path / "r.json").write_text(json.dumps(dict(meta={**meta, "l2_flush": "read"}, rows=rows)))
@@ -186,10 +191,11 @@ def test_layer_markdown_says_by_how_much_each_missed_target_is_missed(tmp_path):
     l2_text = (tmp_path / "l2.md").read_text()
     assert "measured in this run: 8.00 TB/s" in l2_text
     got = [line for line in l2_text.split("## Targets not met")[1].splitlines() if line.startswith("| S |")]
-    assert "| 5.50 | 4.40 | 12.50 | 125 |" in got[0] and "above the HBM datasheet rate" in got[0]
-    assert "| 3.79 | 3.60 | 10.53 | 11 |" in got[1] and "L2 operand traffic: 132% of the measured L2 read rate" in got[1]
-    assert "| 11.43 | 632 |" in got[2] and "L2 operand traffic: 143%" in got[2]
-    assert "| - | 632 |" in got[3] and "compute: 78%" in got[3]  # no operand bytes: no L2 reading
+    assert "| 4.63 | 4.40 | 10.53 | 105 |" in got[0] and "faster than any row" in got[0]
+    assert "| 4.00 | 3.60 | 11.11 | 11 |" in got[1] and "L2 operand traffic: 139% of the measured L2 read rate" in got[1]
+    assert "| 10.99 | 608 |" in got[2] and "L2 operand traffic: 137%" in got[2]
+    # 4096 tokens: 1.2x the floor, 8.4 ms; no operand bytes: no L2 reading
+    assert "| - | 658 |" in got[3] and "compute: 81%" in got[3]
 
 
 def _ep_run(world, rows, commit="abc1234"):

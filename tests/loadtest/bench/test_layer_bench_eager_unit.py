@@ -55,10 +55,34 @@ def test_vllm_and_eager_columns_and_the_eager_target(tmp_path):
     assert len(table) == 2 and table[0].endswith("| yes |") and table[1].endswith("| **no** |")
 
 
-def test_the_best_baseline_includes_vllm_where_measured():
-    row = {"tokens": 8, "torch_ms": 1.0, "transformers_ms": 2.0}
-    assert report.target_ms(row) == 0.5
-    assert report.target_ms({**row, "vllm_ms": 0.4}) == 0.2
+def test_issue_28_targets_and_vllm_replayed_or_eager():
+    row = dict(tokens=8, floor_ms=0.1, bound="weights", kittens_ms=0.105, rel_err=dict(kittens=1e-4),
+               speedup_vs_best_baseline=1.5)
+    assert report.target_ms(row) == pytest.approx(0.11)  # floor + 10 us at 1-8 tokens
+    assert report.judge(row) == dict(target="<= floor + 10 us", target_met=True)
+    assert not report.judge({**row, "kittens_ms": 0.111})["target_met"]
+    # vLLM faster replayed (the best baseline) or eager: missed, and the text says which.
+    assert report.judge({**row, "speedup_vs_best_baseline": 0.98})["target"].endswith("[slower than a baseline]")
+    eager = report.judge({**row, "kittens_eager_ms": 0.150, "vllm_eager_ms": 0.140})
+    assert eager == dict(target="<= floor + 10 us [slower than vLLM eager]", target_met=False)
+    assert report.judge({**row, "kittens_eager_ms": 0.140, "vllm_eager_ms": 0.140})["target_met"]  # ties meet it
+    assert report.target_ms({**row, "tokens": 32}) is None
+    assert report.target_ms({**row, "tokens": 512, "bound": "compute"}) == pytest.approx(0.125)
+    assert report.target_ms({**row, "tokens": 2048}) == pytest.approx(0.12)
+    assert report.target_ms({**row, "tokens": 8192}) == pytest.approx(0.13)
+    fp8 = {**row, "quant": "fp8 block 128x128"}
+    assert [report.target_ms({**fp8, "tokens": t}) for t in (1, 8, 512, 2048)] == [None, pytest.approx(0.115),
+                                                                                 pytest.approx(0.115), None]
+    assert report.target_ms({**fp8, "tokens": 8192}) == pytest.approx(0.15)
+    # A compute-bound FP8 miss reads against the dense FP8 rate measured in the run: 1.5x a 1 ms
+    # floor needs 1e12 FLOP in 1.5 ms, 667 TFLOP/s, 67% of 1000.
+    big = {**fp8, "tokens": 8192, "bound": "compute", "floor_ms": 1.0, "kittens_ms": 2.0, "flops": 1e12, "bytes": 1e9}
+    m = report.miss_reading(big, 4.0, 132, None, fp8_tflops=1000.0)
+    assert m["need_ms"] == pytest.approx(1.5) and m["kind"] == "compute"
+    assert m["detail"] == "67% of the dense FP8 rate measured in this run"
+    # FP8 rows are judged at FP8's error tolerance.
+    assert report.judge({**fp8, "rel_err": dict(kittens=2e-2)})["target_met"]
+    assert not report.judge({**row, "rel_err": dict(kittens=2e-2)})["target_met"]
 
 
 # ---------------------------------------------------------------------------- eager target
@@ -198,13 +222,14 @@ def test_fp8_reports_old_and_new(tmp_path):
     (tmp_path / "old.json").write_text(json.dumps(data))
     assert layer.main(["--replot", str(tmp_path / "old.json")]) == 0
     old = (tmp_path / "old.md").read_text()
-    assert "## Against vLLM" not in old and "vLLM" not in old  # an older FP8 run: as it was written
+    assert "## Against vLLM" not in old and "vLLM ms" not in old  # an older FP8 run: no vLLM columns
     rows = copy.deepcopy(data["rows"][:1])
     r = rows[0]
     times = {"kittens": r["kittens_ms"], "dequant_torch": r["dequant_torch_ms"], "vllm": 1.25 * r["kittens_ms"]}
     errs = {**r["rel_err"], "vllm": 2.5e-2}  # within FP8's 3e-2, beyond bf16's 1e-2
     eager = {"kittens": r["kittens_ms"] + 0.01, "vllm": times["vllm"] + 0.02}
     r.update(report.vllm_and_eager_fields(times, errs, eager, {"kittens": 9, "vllm": 9}, harness.TOL_FP8, CFG))
+    r.update(report.judge(r))
     assert r["vllm_correct"] and r["speedup_vs_vllm"] == pytest.approx(1.25)
     meta = {**data["meta"], "eager_timing": "t"}
     report.write_markdown_fp8(meta, rows, tmp_path / "new.md")
