@@ -389,6 +389,14 @@ def sweep_variants_fp8(tokens, top_k, E, H, I):
                 ("g1 n64 s8", v(d1, BLOCK_N=64, num_stages=8), d2),
                 # Four programs per group (wgmma's smallest M side, 2 x 32 weight columns swapped).
                 ("g1 n32", v(d1, BLOCK_N=32), d2), ("g1 n32 s8", v(d1, BLOCK_N=32, num_stages=8), d2)]
+    if avg > 48:
+        # vLLM's block-FP8 tile at these sizes (64 x 128, 4 warps, 3 stages, GROUP_SIZE_M 32) ran
+        # 5-9% faster than kittens at 2048-8192 tokens (a8ceab5), where kittens' GEMM2 takes 128-row
+        # tiles: DeepSeek-V3's ~64 rows per expert at 2048 tokens fill half of one.
+        m64 = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4)
+        out += [("g2 m64 s3", d1, v(d2, **m64, num_stages=3)), ("g2 m64 s4", d1, v(d2, **m64, num_stages=4)),
+                ("g2 m64 group32", d1, v(d2, **m64, num_stages=3, GROUP_M=32)),
+                ("group32", v(d1, GROUP_M=32), v(d2, GROUP_M=32))]
     return out
 
 def sweep(shapes, points, seed, log, clocks, labels=None, repeats=1, fp8=False):

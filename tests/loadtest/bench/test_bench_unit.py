@@ -67,6 +67,10 @@ def test_fp8_sweep_offers_both_gemm1_column_tiles_at_decode_only():
     assert wider["default"].get("BLOCK_N", 128) == 128 and wider["g1 n64"]["BLOCK_N"] == 64
     streaming = [label for label, _, _ in sweep_variants_fp8(4096, 8, 128, 2048, 768)]
     assert not any(label.startswith("g1 n64") for label in streaming)
+    # From 48 rows per expert, GEMM2 in 64-row tiles (vLLM's) beside the default 128-row ones.
+    big = {label: g2 for label, _, g2 in sweep_variants_fp8(2048, 8, 256, 7168, 2048)}
+    assert big["default"]["BLOCK_M"] == 128 and big["g2 m64 s4"] == {**big["default"], "BLOCK_M": 64, "num_warps": 4}
+    assert "g2 m64 s3" not in dict.fromkeys(label for label, _, _ in sweep_variants_fp8(1024, 8, 256, 7168, 2048))
 
 
 def test_host_profile_rows_rank_functions_per_profiled_call():
