@@ -164,20 +164,50 @@ def _fp8_gemm2_kernel(
     stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     E_PAD: tl.constexpr, SCALE_BN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, GROUP_M: tl.constexpr,
-    SWAP_AB: tl.constexpr, RNE_FIX: tl.constexpr, PDL: tl.constexpr,
+    SWAP_AB: tl.constexpr, RNE_FIX: tl.constexpr, PDL: tl.constexpr, HALF_TAIL: tl.constexpr = False,
 ):
+    """``HALF_TAIL``: an expert's last tile, when half a tile holds its rows, runs ``BLOCK_M // 2``
+    rows (less padding; a row's bits do not depend on the tile's height), as bf16's GEMM2."""
     grid_dependency(PDL)
     in_use, pid_n, e, m0, count_e, start_e = expert_tile(
         tl.program_id(0), counts_ptr, num_local, num_m, H, BLOCK_N, E_PAD, BLOCK_M, GROUP_M
     )
     if in_use:
-        offs_m, row_ok, rows = tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
-        acc, offs_n, n_ok = fp8_gemm2_tile(
-            actq_ptr, acts_ptr, w_ptr, w_desc, ws_ptr, e, start_e, offs_m, row_ok, pid_n, H, I,
-            stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-            SCALE_BN, BLOCK_M, BLOCK_N, EVEN_K, EVEN_N, USE_TMA, SWAP_AB,
-        )
-        scatter_rows(acc, rows, row_ok, offs_n, n_ok, y_ptr, H, RNE_FIX)
+        if HALF_TAIL:
+            if count_e - m0 <= BLOCK_M // 2:
+                _fp8_gemm2_rows(
+                    actq_ptr, acts_ptr, w_ptr, w_desc, ws_ptr, y_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e,
+                    H, I, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+                    SCALE_BN, BLOCK_M // 2, BLOCK_N, EVEN_K, EVEN_N, USE_TMA, SWAP_AB, RNE_FIX,
+                )
+            else:
+                _fp8_gemm2_rows(
+                    actq_ptr, acts_ptr, w_ptr, w_desc, ws_ptr, y_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e,
+                    H, I, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+                    SCALE_BN, BLOCK_M, BLOCK_N, EVEN_K, EVEN_N, USE_TMA, SWAP_AB, RNE_FIX,
+                )
+        else:
+            _fp8_gemm2_rows(
+                actq_ptr, acts_ptr, w_ptr, w_desc, ws_ptr, y_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e,
+                H, I, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+                SCALE_BN, BLOCK_M, BLOCK_N, EVEN_K, EVEN_N, USE_TMA, SWAP_AB, RNE_FIX,
+            )
+
+
+@triton.jit
+def _fp8_gemm2_rows(
+    actq_ptr, acts_ptr, w_ptr, w_desc, ws_ptr, y_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
+    stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+    SCALE_BN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, SWAP_AB: tl.constexpr, RNE_FIX: tl.constexpr,
+):
+    offs_m, row_ok, rows = tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
+    acc, offs_n, n_ok = fp8_gemm2_tile(
+        actq_ptr, acts_ptr, w_ptr, w_desc, ws_ptr, e, start_e, offs_m, row_ok, pid_n, H, I,
+        stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+        SCALE_BN, BLOCK_M, BLOCK_N, EVEN_K, EVEN_N, USE_TMA, SWAP_AB,
+    )
+    scatter_rows(acc, rows, row_ok, offs_n, n_ok, y_ptr, H, RNE_FIX)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -300,6 +330,8 @@ def launch_fp8_gemm2(
     parameters (the expert-parallel push epilogue), ``extra_args`` / ``extra_constexprs`` its own."""
     num_local, hidden, inter = w2.shape
     g = gemm_config(config, act_q, interpret, GROUP_M=1, SWAP_AB=False)
+    if kernel is not None and g.pop("HALF_TAIL", False):
+        raise ValueError("the expert-parallel FP8 GEMM2 runs full tiles only (no HALF_TAIL)")
     bn = g["BLOCK_N"]
     w2_desc = w2_operand(w2, g, GROUP)
     num_m = max_row_tiles(rows, num_local, g["BLOCK_M"])

@@ -396,7 +396,9 @@ def sweep_variants_fp8(tokens, top_k, E, H, I):
         m64 = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4)
         out += [("g2 m64 s3", d1, v(d2, **m64, num_stages=3)), ("g2 m64 s4", d1, v(d2, **m64, num_stages=4)),
                 ("g2 m64 group32", d1, v(d2, **m64, num_stages=3, GROUP_M=32)),
-                ("group32", v(d1, GROUP_M=32), v(d2, GROUP_M=32))]
+                ("group32", v(d1, GROUP_M=32), v(d2, GROUP_M=32)),
+                # An expert's last GEMM2 tile at 64 rows when they hold what is left (bf16's HALF_TAIL).
+                ("g2 half tail", d1, v(d2, HALF_TAIL=True))]
     return out
 
 def sweep(shapes, points, seed, log, clocks, labels=None, repeats=1, fp8=False):

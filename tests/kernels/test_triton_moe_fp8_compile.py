@@ -3,7 +3,7 @@
 Compiled as a launch would specialize them (16-byte aligned pointers, ints divisible by 16 marked,
 unit strides constant) with the block sizes ``pick_configs_fp8`` chooses for DeepSeek-V3 in each
 regime (swapped 16- and 32-row tiles at 1 and 512 tokens, 64-row tiles at 1024, 128-row ones at
-4096; and the sweep's 64-row GEMM2 tile there), then
+4096; and the sweep's 64-row and half-tail GEMM2 tiles there), then
 ``ptxas -v`` reports registers and spills. Runs in a subprocess because the tests' conftest puts
 Triton into interpreter mode on CPU-only machines. The GPU machine's Triton (3.6) may compile
 differently from the one here; this catches type errors, spills and lost wgmma early.
@@ -70,8 +70,10 @@ for tokens in (1, 512, 1024, 4096):
                    EVEN_K=True, EVEN_N=True, GROUP_M=g1["GROUP_M"], SWAP_AB=g1.get("SWAP_AB", False), RNE_FIX=False,
                    PDL=True),
               g1["num_warps"], g1["num_stages"])
-    # As picked; at 4096 tokens also the sweep's 64-row, 4-warp GEMM2 tile (vLLM's block-FP8 tile).
-    for suffix, c2 in (("", g2),) + ((("_m64", dict(g2, BLOCK_M=64, num_warps=4, num_stages=4)),) if tokens == 4096 else ()):
+    # As picked; at 4096 tokens also the sweep's 64-row, 4-warp GEMM2 tile (vLLM's block-FP8 tile)
+    # and half-height last tiles.
+    more = (("_m64", dict(g2, BLOCK_M=64, num_warps=4, num_stages=4)), ("_half", dict(g2, HALF_TAIL=True)))
+    for suffix, c2 in (("", g2),) + (more if tokens == 4096 else ()):
         build(f"gemm2{suffix}_T{tokens}", tf._fp8_gemm2_kernel,
               dict(actq_ptr=ptr("fp8e4nv"), acts_ptr=ptr("fp32"), w_ptr=ptr("fp8e4nv"), ws_ptr=ptr("fp32"),
                    w_desc=f"tensordesc<fp8e4nv[{c2['BLOCK_N']}, 128]>", y_ptr=ptr("bf16"),
@@ -79,7 +81,8 @@ for tokens in (1, 512, 1024, 4096):
               dict(num_local=E, H=H, I=I, num_m=1000, stride_we=H * I, stride_wn=I, stride_wk=1,
                    stride_se=56 * 16, stride_sn=16, stride_sk=1),
               dict(E_PAD=E, SCALE_BN=128, BLOCK_M=c2["BLOCK_M"], BLOCK_N=c2["BLOCK_N"], EVEN_K=True, EVEN_N=True,
-                   USE_TMA=True, GROUP_M=c2["GROUP_M"], SWAP_AB=c2.get("SWAP_AB", False), RNE_FIX=False, PDL=True),
+                   USE_TMA=True, GROUP_M=c2["GROUP_M"], SWAP_AB=c2.get("SWAP_AB", False), RNE_FIX=False, PDL=True,
+                   HALF_TAIL=c2.get("HALF_TAIL", False)),
               c2["num_warps"], c2["num_stages"])
 build("schedule_quantize", tf._fp8_schedule_quantize_kernel,
       dict(topk_ids_ptr=ptr("i32"), expert_map_ptr=ptr("i32"), counts_ptr=ptr("i32"), sorted_rows_ptr=ptr("i32"),

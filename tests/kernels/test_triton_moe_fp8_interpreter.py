@@ -150,6 +150,30 @@ def test_tile_configs_agree_bitwise(cfg):
     assert torch.equal(out, tf.fused_moe_fp8_triton(x, *fp8, weights, ids))
 
 
+def test_gemm2_half_tail_gives_the_same_bits():
+    # 64-row tiles; the last tile of an expert runs 32 rows when they hold what is left. Expert 0's
+    # 150 rows: two full tiles and 22 rows in a half one; expert 1's 20: one half tile; experts 2
+    # and 3, 65 each: a full tile and a half one for the last row.
+    x, fp8, weights, ids = make(150, 128, 256, 4, 2, seed=14)
+    ids[:, 0] = 0
+    ids[:20, 1], ids[20:85, 1], ids[85:, 1] = 1, 2, 3
+    g1 = dict(BLOCK_M=64, num_warps=4, num_stages=2)
+    g2 = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+    whole = tf.fused_moe_fp8_triton(x, *fp8, weights, ids, configs=(g1, g2))
+    assert rel_err(whole, fused_moe_fp8_reference(x, *fp8, weights, ids)) <= 1e-3
+    half = tf.fused_moe_fp8_triton(x, *fp8, weights, ids, configs=(g1, dict(g2, HALF_TAIL=True)))
+    assert torch.equal(half, whole)
+
+
+def test_expert_parallel_gemm2_refuses_half_tail():
+    x, (w13, w2, s13, s2), _, _ = make(4, 128, 128, 2, 1)
+    act_q = torch.zeros(4, 128, dtype=w2.dtype)
+    with pytest.raises(ValueError, match="full tiles only"):
+        tf.launch_fp8_gemm2(act_q, torch.ones(4, 1), w2, s2, x, torch.zeros(4, dtype=torch.int32),
+                            torch.zeros(2, dtype=torch.int32), 4, dict(BLOCK_M=64, BLOCK_N=64, HALF_TAIL=True),
+                            scale_bn=128, interpret=True, kernel=tf._fp8_gemm2_kernel)
+
+
 @pytest.mark.parametrize(
     "tokens,inter,g1",
     [
