@@ -76,6 +76,7 @@ from .tiles import (
     tile_of,
     tile_rows,
     two_height_tile_of,
+    wait_count,
     zero_words,
 )
 
@@ -349,14 +350,7 @@ def _decode_gemm2_item(
     column tile of row tile ``pid_m`` is done, then the tile (or NaN rows if the wait ran out). A
     ``heavy`` tile (``HEAVY_M`` > 0) holds ``HEAVY_M`` rows, others ``BLOCK_M``."""
     if in_use:
-        # Scalar atomics: Triton broadcasts their result, so every thread agrees on the loop.
-        done_ptr = sync_ptr + _SYNC_TILES + pid_m
-        done = tl.atomic_add(done_ptr, 0, sem="acquire", scope="gpu")
-        polls = 0
-        while (done < num_n1) & (polls < max_polls):
-            done = tl.atomic_add(done_ptr, 0, sem="acquire", scope="gpu")
-            polls += 1
-        tl.debug_barrier()
+        done = wait_count(sync_ptr + _SYNC_TILES + pid_m, num_n1, max_polls)
         t_ready = now(TIMELINE)
         if done < num_n1:
             tl.atomic_xchg(sync_ptr + _SYNC_ERROR, 1, sem="relaxed")

@@ -15,7 +15,7 @@ from .. import bad_ids
 __all__ = [
     "acc_zeros", "cast", "dot", "expert_ids", "expert_tile", "gemm1_tile", "gemm2_tile", "grid_dependency",
     "load_cols", "load_rows", "local_expert_ids", "mma", "moe_schedule_kernel", "now", "program_tile",
-    "report_bad_ids", "scatter_rows", "tile_of", "tile_rows", "two_height_tile_of", "zero_words",
+    "report_bad_ids", "scatter_rows", "tile_of", "tile_rows", "two_height_tile_of", "wait_count", "zero_words",
 ]
 
 
@@ -87,6 +87,22 @@ def zero_words(ptr, n, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     for start in range(0, n, BLOCK):
         tl.store(ptr + start + offs, tl.zeros([BLOCK], dtype=tl.int32), mask=start + offs < n)
+
+
+@triton.jit
+def wait_count(ptr, target, max_polls):
+    """Poll the int32 count at ``ptr`` (acquire, GPU scope) until it reaches ``target`` or
+    ``max_polls`` polls have passed, then a CTA barrier; returns the last count read (below
+    ``target``: the wait ran out). The one-launch decode kernels' GEMM2 items wait so for their
+    row tile's GEMM1 items. Scalar atomics: Triton broadcasts the result, so every thread agrees
+    on the loop."""
+    done = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+    polls = 0
+    while (done < target) & (polls < max_polls):
+        done = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+        polls += 1
+    tl.debug_barrier()
+    return done
 
 
 @triton.jit

@@ -388,7 +388,10 @@ def sweep_variants_fp8(tokens, top_k, E, H, I):
         out += [(f"g1 n{other}", v(d1, BLOCK_N=other), d2), ("g1 n64 s4", v(d1, BLOCK_N=64, num_stages=4), d2),
                 ("g1 n64 s8", v(d1, BLOCK_N=64, num_stages=8), d2),
                 # Four programs per group (wgmma's smallest M side, 2 x 32 weight columns swapped).
-                ("g1 n32", v(d1, BLOCK_N=32), d2), ("g1 n32 s8", v(d1, BLOCK_N=32, num_stages=8), d2)]
+                ("g1 n32", v(d1, BLOCK_N=32), d2), ("g1 n32 s8", v(d1, BLOCK_N=32, num_stages=8), d2),
+                # Both GEMMs as one launch (as bf16's decode kernel, 0-8% there): no launch boundary,
+                # and GEMM2 items fill the SMs GEMM1's last wave leaves idle.
+                ("one launch", v(d1, ONE_LAUNCH=True), d2), ("one launch n32", v(d1, ONE_LAUNCH=True, BLOCK_N=32), d2)]
     if avg > 48:
         # vLLM's block-FP8 tile at these sizes (64 x 128, 4 warps, 3 stages, GROUP_SIZE_M 32) ran
         # 5-9% faster than kittens at 2048-8192 tokens (a8ceab5), where kittens' GEMM2 takes 128-row

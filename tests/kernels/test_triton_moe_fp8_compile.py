@@ -3,7 +3,7 @@
 Compiled as a launch would specialize them (16-byte aligned pointers, ints divisible by 16 marked,
 unit strides constant) with the block sizes ``pick_configs_fp8`` chooses for DeepSeek-V3 in each
 regime (swapped 16- and 32-row tiles at 1 and 512 tokens, 64-row tiles at 1024, 128-row ones at
-4096; and the sweep's 64-row and half-tail GEMM2 tiles there), then
+4096; and the sweep's 64-row and half-tail GEMM2 tiles there; both GEMMs as one launch at 1 token), then
 ``ptxas -v`` reports registers and spills. Runs in a subprocess because the tests' conftest puts
 Triton into interpreter mode on CPU-only machines. The GPU machine's Triton (3.6) may compile
 differently from the one here; this catches type errors, spills and lost wgmma early.
@@ -84,6 +84,21 @@ for tokens in (1, 512, 1024, 4096):
                    USE_TMA=True, GROUP_M=c2["GROUP_M"], SWAP_AB=c2.get("SWAP_AB", False), RNE_FIX=False, PDL=True,
                    HALF_TAIL=c2.get("HALF_TAIL", False)),
               c2["num_warps"], c2["num_stages"])
+# Both GEMMs in one launch (the sweep's "one launch" at 1 token: GEMM1 in 64-column programs).
+g1, g2 = tf.pick_configs_fp8(1, K, E, H, I)
+build("decode_one_launch_T1", tf._fp8_decode_experts_kernel,
+      dict(xq_ptr=ptr("fp8e4nv"), xs_ptr=ptr("fp32"), w13_ptr=ptr("fp8e4nv"), w13s_ptr=ptr("fp32"),
+           actq_ptr=ptr("fp8e4nv"), acts_ptr=ptr("fp32"), acth_ptr=ptr("bf16"), ticket_ptr=ptr("i32"),
+           sorted_rows_ptr=ptr("i32"), counts_ptr=ptr("i32"), w2_ptr=ptr("fp8e4nv"),
+           w2_desc=f"tensordesc<fp8e4nv[{g2['BLOCK_N']}, 128]>", w2s_ptr=ptr("fp32"), y_ptr=ptr("bf16"),
+           sync_ptr=ptr("i32")),
+      dict(num_local=E, H=H, I=I, num_m=1000, max_polls=1 << 22,
+           stride_w13e=2 * I * H, stride_w13n=H, stride_w13k=1, stride_s13e=32 * 56, stride_s13n=56, stride_s13k=1,
+           stride_w2e=H * I, stride_w2n=I, stride_w2k=1, stride_s2e=56 * 16, stride_s2n=16, stride_s2k=1),
+      dict(IN_DTYPE=tl.bfloat16, TOPK=K, E_PAD=E, SCALE_BN=128, BLOCK_M=g1["BLOCK_M"], BLOCK_N1=g1["BLOCK_N"],
+           EVEN_K1=True, EVEN_N1=True, GROUP_M1=1, BLOCK_N2=g2["BLOCK_N"], EVEN_K2=True, EVEN_N2=True, GROUP_M2=1,
+           USE_TMA2=True, SWAP_AB=True, RNE_FIX=False, PDL=True),
+      g1["num_warps"], g1["num_stages"])
 build("schedule_quantize", tf._fp8_schedule_quantize_kernel,
       dict(topk_ids_ptr=ptr("i32"), expert_map_ptr=ptr("i32"), counts_ptr=ptr("i32"), sorted_rows_ptr=ptr("i32"),
            report_ptr=ptr("i64"), x_ptr=ptr("bf16"), xq_ptr=ptr("fp8e4nv"), xs_ptr=ptr("fp32"), ticket_ptr=ptr("i32")),
@@ -108,5 +123,5 @@ def test_kernels_compile_for_sm90_with_fp8_wgmma_and_no_spills(tmp_path):
         assert "0 bytes spill stores, 0 bytes spill loads" in r["ptxas"], (name, r["ptxas"])
         assert r["shared"] <= 227 * 1024, (name, r["shared"])
         assert r["grid_dependency"], f"{name}: no programmatic dependent launch instructions"
-        if name.startswith("gemm"):
+        if name.startswith(("gemm", "decode")):
             assert r["fp8_wgmma"], f"{name} does not use fp8 wgmma"

@@ -124,6 +124,37 @@ def test_split_gemm1_column_tiles_give_the_same_bits():
             assert torch.equal(out, expect), family
 
 
+def test_one_launch_decode_gives_the_two_launches_bits():
+    # GEMM2 items wait inside the launch for their row tile's GEMM1 items (split and whole column
+    # tiles), under CUDA-graph replay too: the same bits as two launches.
+    g = torch.Generator(device=DEV).manual_seed(fresh_seed())
+    for family in ("DeepSeek-V3", "Qwen3-30B-A3B"):
+        fp8 = weights_for(family)
+        E, H, I = fp8[0].shape[0], fp8[0].shape[2], fp8[1].shape[2]
+        for tokens in (1, 8, 100):
+            for skewed in (False, True):
+                x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16, generator=g)
+                tw, ids = routing(tokens, E, 8, skewed=skewed, gen=g)
+                g1, g2 = pick_configs_fp8(tokens, 8, E, H, I)
+                two = poisoned_call(fused_moe_fp8_triton, x, *fp8, tw, ids, configs=(g1, g2))
+                for bn in (128, g1.get("BLOCK_N", 128)):
+                    one = poisoned_call(fused_moe_fp8_triton, x, *fp8, tw, ids,
+                                        configs=(dict(g1, BLOCK_N=bn, ONE_LAUNCH=True), g2))
+                    assert torch.equal(one, two), (family, tokens, skewed, bn)
+        x = torch.randn(8, H, device=DEV, dtype=torch.bfloat16, generator=g)
+        tw, ids = routing(8, E, 8, gen=g)
+        g1, g2 = pick_configs_fp8(8, 8, E, H, I)
+        expect = fused_moe_fp8_triton(x, *fp8, tw, ids, configs=(g1, g2))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fused_moe_fp8_triton(x, *fp8, tw, ids, configs=(dict(g1, ONE_LAUNCH=True), g2))
+        for _ in range(3):
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, expect), family
+
+
 def test_fp16_int64_ids_and_strided_weights():
     q13, q2, s13, s2 = weights_for("Qwen3-30B-A3B")
     q2_strided = q2.transpose(1, 2).contiguous().transpose(1, 2)  # same values, GEMM2 without TMA

@@ -165,6 +165,50 @@ def test_gemm2_half_tail_gives_the_same_bits():
     assert torch.equal(half, whole)
 
 
+@pytest.mark.parametrize(
+    "tokens,inter,g1",
+    [
+        (40, 256, dict(BLOCK_M=16, SWAP_AB=True, BLOCK_N=64)),  # split GEMM1: the last of a group quantizes it
+        (40, 200, dict(BLOCK_M=16, SWAP_AB=True, BLOCK_N=32)),  # four programs a group, a short last group
+        (9, 192, dict(BLOCK_M=32, SWAP_AB=True)),  # one 128-column program a group
+    ],
+)
+def test_one_launch_decode_gives_the_two_launches_bits(tokens, inter, g1):
+    # Both GEMMs as one launch (ONE_LAUNCH): GEMM2 items wait for their row tile's GEMM1 items; a
+    # busy expert has several row tiles. The same bits as two launches, twice (the sync words and
+    # tickets start from zero each call).
+    x, fp8, weights, ids = make(tokens, 128, inter, 4, 2, seed=tokens + inter + 1)
+    ids[: tokens // 2, 0] = 0
+    g1 = {**g1, "num_warps": 4, "num_stages": 2}
+    g2 = dict(BLOCK_M=g1["BLOCK_M"], BLOCK_N=64, SWAP_AB=True, num_warps=4, num_stages=2)
+    two = tf.fused_moe_fp8_triton(x, *fp8, weights, ids, configs=(g1, g2))
+    assert rel_err(two, fused_moe_fp8_reference(x, *fp8, weights, ids)) <= 1e-3
+    for _ in range(2):
+        one = tf.fused_moe_fp8_triton(x, *fp8, weights, ids, configs=(dict(g1, ONE_LAUNCH=True), g2))
+        assert torch.equal(one, two)
+
+
+def test_one_launch_decode_wait_that_runs_out_gives_nan_rows_and_the_error_word():
+    # The row tiles' GEMM1 counts start at -5: their one column tile's item brings them to -4, never
+    # to 1, so every GEMM2 item's wait runs out (3 polls): NaN rows and the error word, no hang.
+    x, (w13, w2, s13, s2), weights, ids = make(6, 128, 128, 2, 2, seed=5)
+    rows, inter, hidden = 12, 128, 128
+    xq, xs = quantize_fp8_groups(x)
+    counts = torch.tensor([6, 6], dtype=torch.int32)
+    sorted_rows = torch.arange(12, dtype=torch.int32)  # any valid order: the rows are not computed
+    g1 = dict(BLOCK_M=16, SWAP_AB=True, num_warps=4, num_stages=2)
+    g2 = dict(BLOCK_M=16, BLOCK_N=64, SWAP_AB=True, num_warps=4, num_stages=2)
+    n_sync, n_tickets = tf.fp8_decode_sync_words(rows, 2, inter, g1)
+    sync = torch.zeros(n_sync + n_tickets, dtype=torch.int32)
+    act_q = torch.empty(rows, inter, dtype=w2.dtype)
+    act_s = torch.empty(rows, 1)
+    y = torch.zeros(rows, hidden, dtype=x.dtype)
+    sync[2:n_sync] = -5
+    tf.launch_fp8_decode_experts(xq, xs, w13, s13, w2, s2, act_q, act_s, None, y, sorted_rows, counts, sync, rows, 2,
+                                 (g1, g2), in_dtype=x.dtype, scale_bn=128, interpret=True, max_polls=3)
+    assert torch.isnan(y).all() and int(sync[1]) == 1
+
+
 def test_expert_parallel_gemm2_refuses_half_tail():
     x, (w13, w2, s13, s2), _, _ = make(4, 128, 128, 2, 1)
     act_q = torch.zeros(4, 128, dtype=w2.dtype)
