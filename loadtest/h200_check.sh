@@ -3,13 +3,14 @@
 #   bash loadtest/h200_check.sh tests OUT                 # pytest -m gpu: bf16, FP8 and timing kernels, then EP
 #   bash loadtest/h200_check.sh layer OUT [ARGS...]      # layer benchmark, bf16, against vLLM's fused_experts
 #   bash loadtest/h200_check.sh layer-fp8 OUT [ARGS...]  # the same with block-FP8 experts
+#   bash loadtest/h200_check.sh sweep-fp8 OUT [ARGS...]  # the FP8 kernels' unmeasured variants against the default
 # ARGS go to `mok-loadtest layer` (e.g. --shapes, --tokens). `tests` needs no vLLM (a session's
 # first call); the layer steps need vLLM staged from ../shared/gpu-vllm (else no vLLM column).
 # Each step runs under its own time limit, so a hung test still leaves the other steps' logs.
 # Set MOK_COMMIT where the tree has no .git.
 set -uo pipefail
 what=${1:-} out=${2:-}
-[[ -n $out ]] || { echo "usage: $0 tests|layer|layer-fp8 OUT [ARGS...]" >&2; exit 2; }
+[[ -n $out ]] || { echo "usage: $0 tests|layer|layer-fp8|sweep-fp8 OUT [ARGS...]" >&2; exit 2; }
 shift 2
 commit=${MOK_COMMIT:-$(git rev-parse --short HEAD)}
 mkdir -p "$out"
@@ -33,9 +34,15 @@ case $what in
     step "gpu_tests_$commit.log" 150 python3 -m pytest -m gpu -q tests/kernels/test_ep_cuda_simulated_gpu.py \
       tests/kernels/test_ep_cuda_gpu.py ;;
   layer)
-    step "layer_bench_$commit.log" 570 mok-loadtest layer --out "$out" --name "layer_bench_$commit" --no-history "$@" ;;
+    step "h200_check_layer_$commit.log" 570 mok-loadtest layer --out "$out" --name "layer_bench_$commit" --no-history "$@" ;;
   layer-fp8)
-    step "layer_bench_fp8_$commit.log" 570 mok-loadtest layer --fp8 --out "$out" --name "layer_bench_fp8_$commit" \
+    step "h200_check_layer_fp8_$commit.log" 570 mok-loadtest layer --fp8 --out "$out" --name "layer_bench_fp8_$commit" \
       --no-history "$@" ;;
-  *) echo "usage: $0 tests|layer|layer-fp8 OUT [ARGS...]" >&2; exit 2 ;;
+  sweep-fp8)  # decode points (split, 32-column and one-launch GEMM1) and prefill ones (64-row, half-tail GEMM2)
+    step "h200_check_sweep_fp8_$commit.log" 570 mok-loadtest layer --sweep --fp8 --sweep-repeats 3 --out "$out" \
+      --name "sweep_fp8_$commit" --no-history --sweep-points Qwen3-30B-A3B:1 Qwen3-30B-A3B:8 Qwen3-30B-A3B:32 \
+      DeepSeek-V3:1 DeepSeek-V3:8 DeepSeek-V3:2048 DeepSeek-V3:8192 Qwen3-30B-A3B:2048 \
+      --sweep-labels default "g1 n128" "g1 n32" "one launch" "one launch n32" "g2 m64 s3" "g2 m64 s4" \
+      "g2 m64 group32" group32 "g2 half tail" "$@" ;;
+  *) echo "usage: $0 tests|layer|layer-fp8|sweep-fp8 OUT [ARGS...]" >&2; exit 2 ;;
 esac

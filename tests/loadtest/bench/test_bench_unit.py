@@ -367,3 +367,26 @@ def test_concentrated_routing_sends_every_token_to_the_same_experts():
     assert floor_of(64, 7168, 2048, 8, ids)["touched"] == 8
     assert parse_points(["DeepSeek-V3:460:concentrated"]) == [("DeepSeek-V3", 460, "concentrated")]
     assert "concentrated" in ROUTINGS and "concentrated" not in DEFAULT_ROUTINGS
+
+
+def test_h200_check_sweep_names_variants_that_exist_at_its_points():
+    # loadtest/h200_check.sh sweep-fp8 picks variants by label: a renamed variant would drop out silently.
+    import pathlib
+    import re
+    import shlex
+
+    from mok_serve.loadtest.bench.harness import load_shapes
+    from mok_serve.loadtest.bench.layer import sweep_variants_fp8
+
+    script = (pathlib.Path(__file__).parents[3] / "loadtest" / "h200_check.sh").read_text()
+    words = shlex.split(re.search(r"sweep-fp8\)(.*?);;", script, re.S).group(1).replace("\\\n", " "), comments=True)
+    points = words[words.index("--sweep-points") + 1: words.index("--sweep-labels")]
+    labels = words[words.index("--sweep-labels") + 1: words.index("$@")]
+    shapes = load_shapes()
+    offered = set()
+    for point in points:
+        name, tokens = point.split(":")
+        s = shapes[name]
+        offered |= {label for label, _, _ in sweep_variants_fp8(
+            int(tokens), s["top_k"], s["routed_experts"], s["hidden"], s["moe_intermediate"])}
+    assert len(labels) >= 8 and set(labels) <= offered, set(labels) - offered
