@@ -334,6 +334,12 @@ def launch_fp8_schedule_quantize(
     )
 
 
+def _check_group_parts(act_h: torch.Tensor | None, rows: int, inter: int, in_dtype: torch.dtype) -> None:
+    """Split GEMM1 tiles write their group parts to ``act_h``: ``[>= rows, inter]`` in the input dtype."""
+    if act_h is None or act_h.dtype != in_dtype or act_h.dim() != 2 or act_h.shape[0] < rows or act_h.shape[1] != inter:
+        raise ValueError(f"split FP8 GEMM1 tiles (BLOCK_N 64 or 32) need act_h [>= {rows}, {inter}] in {in_dtype}")
+
+
 def launch_fp8_gemm1(
     xq: torch.Tensor,
     xs: torch.Tensor,
@@ -370,10 +376,10 @@ def launch_fp8_gemm1(
     if bn != GROUP:
         if bn not in (GROUP // 2, GROUP // 4):
             raise ValueError(f"FP8 GEMM1's BLOCK_N is 128 (one activation group), 64 or 32 (two or four programs a group): {config}")
-        if act_h is None or tickets is None or act_h.dtype != in_dtype or act_h.dim() != 2 or act_h.shape[0] < rows \
-                or act_h.shape[1] != inter or tickets.dtype != torch.int32 or tickets.numel() < split_group_tickets(rows, inter):
-            raise ValueError(f"split FP8 GEMM1 tiles (BLOCK_N 64 or 32) need act_h [>= {rows}, {inter}] in {in_dtype} and "
-                             f"{split_group_tickets(rows, inter)} int32 tickets (split_group_tickets)")
+        _check_group_parts(act_h, rows, inter, in_dtype)
+        if tickets is None or tickets.dtype != torch.int32 or tickets.numel() < split_group_tickets(rows, inter):
+            raise ValueError(f"split FP8 GEMM1 tiles (BLOCK_N 64 or 32) need {split_group_tickets(rows, inter)} "
+                             "int32 tickets (split_group_tickets)")
     num_m = max_row_tiles(rows, num_local, g["BLOCK_M"])
     _fp8_gemm1_kernel[(num_m * triton.cdiv(inter, bn),)](
         xq, xs, w13, w13_scale, act_q, act_s, act_q if act_h is None else act_h, counts if tickets is None else tickets,
@@ -471,9 +477,8 @@ def launch_fp8_decode_experts(
     n_sync, n_tickets = fp8_decode_sync_words(rows, num_local, inter, g1)
     if sync.dtype != torch.int32 or sync.numel() != n_sync + n_tickets:
         raise ValueError(f"sync must be {n_sync + n_tickets} int32 words, got {sync.dtype} [{sync.numel()}]")
-    if n_tickets and (act_h is None or act_h.dtype != in_dtype or act_h.dim() != 2 or act_h.shape[0] < rows
-                      or act_h.shape[1] != inter):
-        raise ValueError(f"split FP8 GEMM1 tiles (BLOCK_N 64 or 32) need act_h [>= {rows}, {inter}] in {in_dtype}")
+    if n_tickets:
+        _check_group_parts(act_h, rows, inter, in_dtype)
     w2_desc = w2_operand(w2, g2, GROUP)
     num_m = max_row_tiles(rows, num_local, bm)
     items = num_m * (triton.cdiv(inter, bn1) + triton.cdiv(hidden, bn2))
@@ -536,11 +541,11 @@ def fused_moe_fp8_triton(
     act_s = torch.empty((rows, triton.cdiv(inter, GROUP)), dtype=torch.float32, device=dev)
     y = torch.empty((rows, hidden), dtype=dtype, device=dev)
     g1, g2 = configs if configs is not None else pick_configs_fp8(tokens, top_k, num_local, hidden, inter)
-    act_h = tickets = None
-    if g1.get("BLOCK_N", GROUP) != GROUP:
-        act_h = torch.empty((rows, inter), dtype=dtype, device=dev)
+    split = g1.get("BLOCK_N", GROUP) != GROUP
+    act_h = torch.empty((rows, inter), dtype=dtype, device=dev) if split else None
     if g1.get("ONE_LAUNCH", False):
         g1 = {k: v for k, v in g1.items() if k != "ONE_LAUNCH"}
+        # The decode sync words and the split tickets after them: the schedule launch zeroes all.
         sync = torch.empty(sum(fp8_decode_sync_words(rows, num_local, inter, g1)), dtype=torch.int32, device=dev)
         launch_fp8_schedule_quantize(
             hidden_states, xq, xs, topk_ids, expert_map, counts, sorted_rows, num_local, num_global,
@@ -550,19 +555,17 @@ def fused_moe_fp8_triton(
             xq, xs, w13, w13_scale, w2, w2_scale, act_q, act_s, act_h, y, sorted_rows, counts, sync, rows, top_k,
             (g1, g2), in_dtype=dtype, scale_bn=bn_scale, interpret=interpret, pdl=pdl,
         )
-        launch_combine(y, out, topk_ids, topk_weights, expert_map, num_local, num_global, interpret=interpret, pdl=pdl)
-        return out
-    if act_h is not None:
-        tickets = torch.empty(split_group_tickets(rows, inter), dtype=torch.int32, device=dev)
-
-    launch_fp8_schedule_quantize(
-        hidden_states, xq, xs, topk_ids, expert_map, counts, sorted_rows, num_local, num_global,
-        tickets=tickets, interpret=interpret, pdl=pdl,
-    )
-    launch_fp8_gemm1(
-        xq, xs, w13, w13_scale, act_q, act_s, sorted_rows, counts, rows, top_k, g1,
-        act_h=act_h, tickets=tickets, in_dtype=dtype, scale_bn=bn_scale, interpret=interpret, pdl=pdl,
-    )
-    launch_fp8_gemm2(act_q, act_s, w2, w2_scale, y, sorted_rows, counts, rows, g2, scale_bn=bn_scale, interpret=interpret, pdl=pdl)
+    else:
+        tickets = torch.empty(split_group_tickets(rows, inter), dtype=torch.int32, device=dev) if split else None
+        launch_fp8_schedule_quantize(
+            hidden_states, xq, xs, topk_ids, expert_map, counts, sorted_rows, num_local, num_global,
+            tickets=tickets, interpret=interpret, pdl=pdl,
+        )
+        launch_fp8_gemm1(
+            xq, xs, w13, w13_scale, act_q, act_s, sorted_rows, counts, rows, top_k, g1,
+            act_h=act_h, tickets=tickets, in_dtype=dtype, scale_bn=bn_scale, interpret=interpret, pdl=pdl,
+        )
+        launch_fp8_gemm2(act_q, act_s, w2, w2_scale, y, sorted_rows, counts, rows, g2, scale_bn=bn_scale,
+                         interpret=interpret, pdl=pdl)
     launch_combine(y, out, topk_ids, topk_weights, expert_map, num_local, num_global, interpret=interpret, pdl=pdl)
     return out

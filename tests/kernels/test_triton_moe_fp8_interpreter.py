@@ -256,6 +256,27 @@ def test_split_gemm1_needs_its_buffers_and_a_half_group():
         tf.launch_fp8_gemm1(xq, torch.empty(4, 1), fp8[0], fp8[2], act_q, torch.empty(rows, 1),
                             torch.zeros(rows, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), rows, 1,
                             dict(g1, BLOCK_N=64), in_dtype=x.dtype, scale_bn=128, interpret=True)
+    act_h = torch.empty(rows, 128, dtype=x.dtype)
+    with pytest.raises(ValueError, match="int32 tickets"):
+        tf.launch_fp8_gemm1(xq, torch.empty(4, 1), fp8[0], fp8[2], act_q, torch.empty(rows, 1),
+                            torch.zeros(rows, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), rows, 1,
+                            dict(g1, BLOCK_N=64), act_h=act_h, in_dtype=x.dtype, scale_bn=128, interpret=True)
+    # The one-launch decode kernel: its sync words and, with split GEMM1 tiles, act_h.
+    g1_split = dict(g1, BLOCK_N=64, SWAP_AB=True, BLOCK_M=16, num_warps=4)
+    g2_swap = dict(g2, SWAP_AB=True, BLOCK_M=16, num_warps=4)
+    words = sum(tf.fp8_decode_sync_words(rows, 2, 128, g1_split))
+    one = (xq, torch.empty(4, 1), fp8[0], fp8[2], fp8[1], fp8[3], act_q, torch.empty(rows, 1))
+    tail = (torch.empty(rows, 128, dtype=x.dtype), torch.zeros(rows, dtype=torch.int32), torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="sync must be"):
+        tf.launch_fp8_decode_experts(*one, act_h, *tail, torch.zeros(words - 1, dtype=torch.int32), rows, 1,
+                                     (g1_split, g2_swap), in_dtype=x.dtype, scale_bn=128, interpret=True)
+    with pytest.raises(ValueError, match="need act_h"):
+        tf.launch_fp8_decode_experts(*one, None, *tail, torch.zeros(words, dtype=torch.int32), rows, 1,
+                                     (g1_split, g2_swap), in_dtype=x.dtype, scale_bn=128, interpret=True)
+    with pytest.raises(ValueError, match="one height"):
+        tf.launch_fp8_decode_experts(*one, act_h, *tail, torch.zeros(words, dtype=torch.int32), rows, 1,
+                                     (g1_split, dict(g2_swap, BLOCK_M=32)), in_dtype=x.dtype, scale_bn=128,
+                                     interpret=True)
 
 
 def test_token_alone_equals_token_in_a_batch():
