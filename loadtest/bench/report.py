@@ -25,35 +25,29 @@ def is_fp8(row) -> bool:
 
 def target_ms(row) -> float | None:
     """The time the one-H200 kernel issue (issue 28) asks of kittens in this row, None where it
-    asks only for no baseline to be faster. bf16: floor + 10 us at 1-8 tokens; 1.2x the floor
-    from 2048 tokens, 1.3x from 8192; between 128 and 2048 the earlier issue's 1.1x (weights) /
-    1.25x (compute), which issue 28 kept (it withdrew only the earlier targets below 128 tokens).
+    asks only for no baseline to be faster (``target_of``)."""
+    return target_of(row)[1]
+
+
+def target_of(row) -> tuple[str, float | None]:
+    """(the target's text, its time in ms or None). bf16: floor + 10 us at 1-8 tokens; 1.2x the
+    floor from 2048 tokens, 1.3x from 8192; between 128 and 2048 the earlier issue's 1.1x (weights)
+    / 1.25x (compute), which issue 28 kept (it withdrew only the earlier targets below 128 tokens).
     FP8 (the floor at the dense FP8 rate measured in the run): 1.15x from 8 to 512 tokens, 1.5x
     from 8192."""
     tokens, floor = row["tokens"], row["floor_ms"]
     if is_fp8(row):
-        return 1.15 * floor if 8 <= tokens <= 512 else 1.5 * floor if tokens >= 8192 else None
-    if tokens <= 8:
-        return floor + 0.010
-    if tokens < 128:
-        return None
-    if tokens < 2048:
-        return (1.1 if row["bound"] == "weights" else 1.25) * floor
-    return (1.2 if tokens < 8192 else 1.3) * floor
-
-
-def _target_text(row) -> str:
-    if is_fp8(row):
-        tokens = row["tokens"]
-        return "<= 1.15x floor" if 8 <= tokens <= 512 else "<= 1.5x floor" if tokens >= 8192 else "no baseline faster"
-    tokens = row["tokens"]
-    if tokens <= 8:
-        return "<= floor + 10 us"
-    if tokens < 128:
-        return "no baseline faster"
-    if tokens < 2048:
-        return f"<= {1.1 if row['bound'] == 'weights' else 1.25}x floor ({row['bound']})"
-    return f"<= {1.2 if tokens < 8192 else 1.3}x floor"
+        factor = 1.15 if 8 <= tokens <= 512 else 1.5 if tokens >= 8192 else None
+    elif tokens <= 8:
+        return "<= floor + 10 us", floor + 0.010
+    elif tokens < 128:
+        factor = None
+    elif tokens < 2048:
+        factor = 1.1 if row["bound"] == "weights" else 1.25
+        return f"<= {factor}x floor ({row['bound']})", factor * floor
+    else:
+        factor = 1.2 if tokens < 8192 else 1.3
+    return ("no baseline faster", None) if factor is None else (f"<= {factor}x floor", factor * floor)
 
 
 def judge(row):
@@ -64,7 +58,7 @@ def judge(row):
     ok = passes(row["rel_err"]["kittens"], TOL_FP8 if is_fp8(row) else TOL_BF16)
     if not ok:
         notes.append("correctness")
-    need = target_ms(row)
+    text, need = target_of(row)
     if need is not None and row["kittens_ms"] > need:
         ok = False
     if row["speedup_vs_best_baseline"] < 1.0:
@@ -73,7 +67,7 @@ def judge(row):
     if row.get("vllm_eager_ms") is not None and row.get("kittens_eager_ms", 0.0) > row["vllm_eager_ms"]:
         ok = False
         notes.append("slower than vLLM eager")
-    return dict(target=_target_text(row) + (" [" + ", ".join(notes) + "]" if notes else ""), target_met=ok)
+    return dict(target=text + (" [" + ", ".join(notes) + "]" if notes else ""), target_met=ok)
 
 
 def eager_target(row):
