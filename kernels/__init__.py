@@ -6,12 +6,15 @@ Triton kernels, on CPU tensors the C++ kernel of ``cpu/moe.py`` (registered for 
 key once built: the dispatcher then calls it without Python), elsewhere the torch reference.
 All compute the function documented in ``reference.py``. ``fused_moe_fp8``
 (``torch.ops.mok_serve.fused_moe_fp8``) is the same for block-scaled FP8 experts (``fp8.py``;
-Triton kernels in ``cuda/moe_fp8.py``).
+Triton kernels in ``cuda/moe_fp8.py``). ``invariant_linear`` (``torch.ops.mok_serve.invariant_linear``)
+is the batch-invariant dense layer a deterministic server runs its other layers with (``linear.py``;
+Triton kernels in ``cuda/linear.py``).
 """
 
 import torch
 
 from .fp8 import BLOCK_SHAPE, as_block_shape, fused_moe_fp8_reference
+from .linear import invariant_linear_reference
 from .reference import check_fused_moe_args, fused_moe_reference
 from .routing import grouped_sigmoid_topk, softmax_topk
 
@@ -22,6 +25,8 @@ __all__ = [
     "fused_moe_fp8_reference",
     "fused_moe_reference",
     "grouped_sigmoid_topk",
+    "invariant_linear",
+    "invariant_linear_reference",
     "softmax_topk",
     "warm_up",
     "warm_up_token_counts",
@@ -33,8 +38,9 @@ __all__ = [
 _lib = torch.library.Library("mok_serve", "FRAGMENT")
 
 
-def _define_op(name: str, arguments: str, impl) -> None:
-    """``torch.ops.mok_serve.<name>(arguments) -> Tensor`` shaped like its first argument.
+def _define_op(name: str, arguments: str, impl, fake=None) -> None:
+    """``torch.ops.mok_serve.<name>(arguments) -> Tensor``, shaped by ``fake`` (default: like its
+    first argument).
 
     Defined once: `python -m pytest` puts the checkout on sys.path, where transformers' probe for
     the Hugging Face `kernels` package imports this directory a second time as `kernels`.
@@ -43,7 +49,9 @@ def _define_op(name: str, arguments: str, impl) -> None:
         return
     _lib.define(f"{name}({arguments}) -> Tensor")
     _lib.impl(name, impl, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"mok_serve::{name}", lambda hidden_states, *_: torch.empty_like(hidden_states), lib=_lib)
+    if fake is None:
+        fake = lambda hidden_states, *_: torch.empty_like(hidden_states)  # noqa: E731
+    torch.library.register_fake(f"mok_serve::{name}", fake, lib=_lib)
 
 
 def _fused_moe_impl(hidden_states, w13, w2, topk_weights, topk_ids, expert_map, activation):
@@ -135,6 +143,30 @@ def fused_moe_fp8(
         hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, expert_map, activation,
         list(as_block_shape(block_shape)),
     )
+
+
+def _invariant_linear_impl(x, weight, bias):
+    if x.is_cuda:
+        from .cuda.linear import invariant_linear_triton
+
+        return invariant_linear_triton(x, weight, bias)
+    return invariant_linear_reference(x, weight, bias)
+
+
+_define_op(
+    "invariant_linear",
+    "Tensor x, Tensor weight, Tensor? bias",
+    _invariant_linear_impl,
+    fake=lambda x, weight, bias: x.new_empty((*x.shape[:-1], weight.shape[0])),
+)
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` (``x`` ``[..., K]``, ``weight`` ``[N, K]``, ``bias`` ``[N]`` or None) as
+    ``[..., N]`` in ``x``'s dtype, each row's bits independent of the other rows of the call: fp32
+    sums over K chunks fixed by the weight's shape, added in chunk order, rounded once
+    (``linear.py``). Bad arguments raise ``ValueError`` naming the problem."""
+    return torch.ops.mok_serve.invariant_linear(x, weight, bias)
 
 
 def warm_up(

@@ -14,13 +14,18 @@ Counted per server, over the probes that succeeded: distinct completions (by tok
 A batch-invariant server gives 1, 1 and every probe.
 
 Servers. Without --url it starts `mok-serve MODEL --moe-backend B` on free loopback ports for each
-of --backends: stock (B = triton on a CUDA machine, auto elsewhere) and kittens, one after the
-other (each stopped before the next starts), or all at once with --parallel-start (all stay up
-until the end; probing still goes one server at a time). MODEL is --model, or the embedded tiny
-model (--tiny-family). Started servers get VLLM_BATCH_INVARIANT=1 (vLLM's batch-invariant mode,
-CUDA only; --no-batch-invariant-mode sets 0) and --no-enable-prefix-caching: the probe repeats
-one prompt, and with the prefix cache its prefill would be read back instead of computed inside
-its batch (--prefix-caching keeps vLLM's default). Extra mok-serve / vllm serve options go through
+of --backends (stock: B = triton on a CUDA machine, auto elsewhere; kittens) in each of --modes:
+`default` (VLLM_BATCH_INVARIANT=0: vLLM as it ships) and `deterministic` (`mok-serve
+--deterministic`: vLLM's batch-invariant mode, with kittens' invariant kernels where B is kittens;
+CUDA only), named BACKEND-MODE: by default the four servers stock-default, stock-deterministic,
+kittens-default, kittens-deterministic. They start one after the other (each stopped before the
+next starts), or all at once with --parallel-start (all stay up until the end; probing still goes
+one server at a time). MODEL is --model, or the embedded tiny model (--tiny-family). A probe on a
+model where the default servers give one completion too proves nothing: serve real-shape models
+with --server-arg=--load-format=kittens-random (random weights at trained scales, the same in
+every server). Started servers get --no-enable-prefix-caching: the probe repeats one prompt, and
+with the prefix cache its prefill would be read back instead of computed inside its batch
+(--prefix-caching keeps vLLM's default). Extra mok-serve / vllm serve options go through
 --server-arg, repeatable, in the = form: --server-arg=--attention-backend=TRITON_ATTN.
 
 Parallel start on one GPU: every server must fit beside the others, so give each a small share
@@ -28,8 +33,7 @@ and a fixed KV cache, e.g. --server-arg=--gpu-memory-utilization=0.3
 --server-arg=--kv-cache-memory-bytes=8G (the shares must add up to less than the free memory).
 
 With --url NAME=http://127.0.0.1:PORT (repeat per server) it targets running servers instead;
-loopback only, any other host is refused. Their batch-invariant mode is whatever they were
-started with.
+loopback only, any other host is refused (--modes does not apply: they run as they were started).
 
 Bounds: every request has --request-timeout; no round starts after --max-duration seconds of
 probing a server; at most --probes x (--max-batch + 1) requests per server; loopback only.
@@ -67,6 +71,7 @@ from . import client, workload
 from .cli import environment, name_value
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+MODES = ("default", "deterministic")
 PROBE_PROMPT = "The mixture of experts layer routes each token to"
 
 
@@ -88,8 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--parallel-start", action="store_true",
                    help="start all servers at once and keep them up to the end (one GPU: give each "
                    "--gpu-memory-utilization and --kv-cache-memory-bytes through --server-arg)")
-    g.add_argument("--no-batch-invariant-mode", dest="batch_invariant", action="store_false",
-                   help="start the servers with VLLM_BATCH_INVARIANT=0 (default: 1; the mode needs CUDA)")
+    g.add_argument("--modes", default=",".join(MODES), metavar="LIST",
+                   help="modes each backend is started in (without --url), comma-separated: 'default' "
+                   "(VLLM_BATCH_INVARIANT=0) and/or 'deterministic' (mok-serve --deterministic; CUDA only) "
+                   "(default: %(default)s)")
     g.add_argument("--prefix-caching", action="store_true",
                    help="leave vLLM's prefix cache on (default: started servers get --no-enable-prefix-caching)")
     g.add_argument("--startup-timeout", type=float, default=900.0, metavar="S",
@@ -356,13 +363,16 @@ def _targets(args) -> list[dict[str, Any]] | str:
         except ValueError as e:
             return str(e)
     else:
+        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        if not modes or set(modes) - set(MODES):
+            return f"--modes {args.modes!r}: a comma-separated list of {', '.join(MODES)}"
         targets = []
         for item in [b.strip() for b in args.backends.split(",") if b.strip()]:
             name, _, value = item.partition("=")
             value = value or {"stock": stock_backend, "kittens": lambda: "kittens"}.get(name, lambda: None)()
             if not value:
                 return f"unknown backend {name!r}: use stock, kittens or NAME=MOE_BACKEND"
-            targets.append({"name": name, "url": None, "moe_backend": value})
+            targets += [{"name": f"{name}-{mode}", "url": None, "moe_backend": value, "mode": mode} for mode in modes]
     names = [t["name"] for t in targets]
     if not targets:
         return "no server to probe"
@@ -373,19 +383,21 @@ def _targets(args) -> list[dict[str, Any]] | str:
     return targets
 
 
-def _server_args(args, model: str, backend: str) -> list[str]:
+def _server_args(args, model: str, backend: str, mode: str) -> list[str]:
     extra = [a for arg in args.server_arg for a in shlex.split(arg)]
     cache = [] if args.prefix_caching else ["--no-enable-prefix-caching"]
-    return [model, "--moe-backend", backend, *cache, *extra]
+    deterministic = ["--deterministic"] if mode == "deterministic" else []
+    return [model, "--moe-backend", backend, *deterministic, *cache, *extra]
 
 
 def _start(t: dict[str, Any], args, model: str, folder: Path) -> ServerProcess:
-    env = {"VLLM_BATCH_INVARIANT": "1" if args.batch_invariant else "0"}
-    server_args = _server_args(args, model, t["moe_backend"])
+    # A default server gets the mode off explicitly, whatever this process's environment says.
+    env = {} if t["mode"] == "deterministic" else {"VLLM_BATCH_INVARIANT": "0"}
+    server_args = _server_args(args, model, t["moe_backend"], t["mode"])
     server = ServerProcess(server_args, env=env, startup_timeout=args.startup_timeout,
                            log_path=folder / f"server-{t['name']}.log")
-    t.update(env=env, server_log=str(server.log_path),
-             server_command=f"VLLM_BATCH_INVARIANT={env['VLLM_BATCH_INVARIANT']} mok-serve {shlex.join(server_args)}")
+    prefix = "".join(f"{k}={v} " for k, v in env.items())
+    t.update(env=env, server_log=str(server.log_path), server_command=f"{prefix}mok-serve {shlex.join(server_args)}")
     try:
         server.start()
         t["url"] = server.url
@@ -507,8 +519,7 @@ def markdown(results: dict[str, Any]) -> str:
         "# Batch invariance at the server (mok-loadtest invariance)", "",
         f"- command: `{c['command']}`",
         f"- commit: {commit['commit'] or 'unknown'}{' (with uncommitted changes)' if commit['dirty'] else ''}",
-        f"- model: {c['model'] or 'as served'}; batch-invariant mode of started servers: "
-        f"VLLM_BATCH_INVARIANT={'1' if c['batch_invariant'] else '0'}",
+        f"- model: {c['model'] or 'as served'}; started servers' modes: {c['modes'] if not c['urls'] else 'as served'}",
         f"- probe: {c['probes']} x {c['prompt']!r}, greedy, max_tokens {c['max_tokens']}, logprobs 1; probe 0 alone, "
         f"probe i with 0..{c['max_batch']} companions (seed {c['seed']}) sent up to {c['spread']:g} s before, "
         f"with or after it",

@@ -24,6 +24,9 @@ is accepted; what differs:
                   the name tiny-FAMILY, e.g. tiny-{tiny_models.DEFAULT_FAMILY}
 Per-layer MoE timing and expert load, for any --moe-backend, are on by default: GET
 /v1/kittens/layers (JSON), /metrics (Prometheus, kittens:* series) and the page /kittens.
+--deterministic serves every request's tokens and logprobs bitwise independent of the other
+requests in its steps (vLLM's batch-invariant mode, VLLM_BATCH_INVARIANT=1, with kittens' invariant
+experts and dense layers; CUDA only).
 
   mok-serve build-tiny [--family F]   build a tiny model and print its path (--list: families)
   mok-serve build-model --shape S     write a real-shape model without weights, to serve with
@@ -66,6 +69,13 @@ def add_mok_options(parser) -> None:
         choices=sorted(tiny_models.FAMILIES),
         default=tiny_models.DEFAULT_FAMILY,
         help="with no MODEL, serve the embedded tiny model of this family",
+    )
+    group.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="batch-invariant serving: a request's output (token ids and logprobs) is bitwise the same "
+        "whatever else shares its steps; sets VLLM_BATCH_INVARIANT=1 for every vLLM process, with kittens' "
+        "invariant experts and dense layers where --moe-backend is kittens (CUDA only)",
     )
     group.add_argument(
         "--kittens-timing",
@@ -193,14 +203,33 @@ def _exit_without_teardown(code: int) -> None:
     os._exit(code)
 
 
+def _deterministic() -> None:
+    """``--deterministic``: vLLM's batch-invariant mode for this process and the engine and worker
+    processes it starts, set before vLLM reads its environment (the plugin adds kittens' kernels)."""
+    if os.environ.get("VLLM_BATCH_INVARIANT", "1") not in ("", "1"):
+        raise SystemExit("mok-serve: --deterministic contradicts VLLM_BATCH_INVARIANT="
+                         f"{os.environ['VLLM_BATCH_INVARIANT']} in the environment")
+    os.environ["VLLM_BATCH_INVARIANT"] = "1"
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        raise SystemExit("mok-serve: --deterministic needs a CUDA GPU: vLLM's batch-invariant mode, which it "
+                         f"builds on, covers CUDA devices (this machine: {current_platform.device_type or 'no GPU'})")
+
+
 def serve(argv: list[str]) -> None:
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
 
+    deterministic = "--deterministic" in argv
+    if deterministic:
+        _deterministic()  # before vLLM builds its parser and configs
     cli_env_setup()
     _allow_plugins()
     args = build_parser().parse_args(argv)
+    if args.deterministic and not deterministic:  # an abbreviation of the option
+        _deterministic()
     if args.model_tag is None and not _given(argv, "--model"):
         family = args.tiny_family
         args.model = str(tiny_models.build_tiny_model(family))

@@ -74,9 +74,11 @@ def register() -> None:
 
     from mok_serve.vllm import KITTENS
     from mok_serve.vllm.experts import KittensFusedMoEMethod
+    from mok_serve.vllm import random_weights
     from mok_serve.vllm.experts_fp8 import KittensFp8MoEMethod
 
     _add_moe_backend_choice(KITTENS)
+    random_weights.register()
     _reject_unsupported_quantization()
     _bind_all2all_for_kittens()
     UnquantizedFusedMoEMethod.register_oot(KittensFusedMoEMethod)

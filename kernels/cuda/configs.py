@@ -12,8 +12,8 @@ import triton
 from ..env import knob
 
 __all__ = [
-    "combine_block", "fp8_split_max_tokens", "kernel_variants", "kernel_variants_fp8", "pick_configs", "pick_configs_fp8",
-    "schedule_block",
+    "LINEAR_SPLIT_BELOW_TILES", "combine_block", "fp8_split_max_tokens", "kernel_variants", "kernel_variants_fp8",
+    "pick_configs", "pick_configs_fp8", "pick_linear_config", "schedule_block",
 ]
 
 
@@ -220,3 +220,29 @@ def kernel_variants_fp8(tokens: int, top_k: int, num_local: int, hidden: int, in
     """As ``kernel_variants``, for ``fused_moe_fp8_triton``."""
     g1, g2 = pick_configs_fp8(tokens, top_k, num_local, hidden, inter)
     return tuple(tuple(sorted(d.items())) for d in (schedule_block(tokens * top_k), g1, g2))
+
+
+# A dense-layer call with fewer output tiles than SMs runs its K chunks in separate programs.
+LINEAR_SPLIT_BELOW_TILES = _SMS
+
+
+@functools.lru_cache(maxsize=4096)
+def _pick_linear_config(rows: int, n: int, k: int) -> tuple:
+    if rows <= 64:
+        # Decode: operands swapped (SWAP_AB), as the MoE decode regime: the weight rows are wgmma's
+        # M side (64) and the 16-64 token rows its N side, so shared memory holds weight tiles.
+        bm = 16 if rows <= 16 else 32 if rows <= 32 else 64
+        return dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=kdim_block(k, 128), num_warps=4,
+                    num_stages=4 if bm < 64 else 3, USE_TMA=True, SWAP_AB=True, GROUP_M=1).items()
+    if rows <= 256:
+        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=kdim_block(k), num_warps=4, num_stages=4, USE_TMA=True,
+                    GROUP_M=8).items()
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=kdim_block(k), num_warps=8, num_stages=4, USE_TMA=True,
+                GROUP_M=8).items()
+
+
+def pick_linear_config(rows: int, n: int, k: int) -> dict:
+    """Tile config of an ``invariant_linear`` call of ``rows`` rows with a weight ``[n, k]``: by the
+    row count, since every tile gives the same bits (kernels/linear.py). BLOCK_K divides 128 (the K
+    chunks' alignment)."""
+    return dict(_pick_linear_config(rows, n, k))

@@ -25,7 +25,7 @@ from vllm.platforms import current_platform
 
 from mok_serve.kernels import fused_moe, warm_up
 from mok_serve.kernels.cpu import moe as cpu_moe
-from mok_serve.vllm import KITTENS, expert_parallel
+from mok_serve.vllm import KITTENS, deterministic, expert_parallel
 from mok_serve.vllm import timing
 
 # vLLM configures handlers for its own logger tree only.
@@ -233,6 +233,7 @@ class KittensFusedMoEMethod(TimedMoEMethod, UnquantizedFusedMoEMethod):
         if moe.moe_backend != KITTENS:
             super().__init__(moe)
             return
+        deterministic.install()
         # The stock oracle rejects backend names it does not know, so skip it.
         FusedMoEMethodBase.__init__(self, moe)
         supported, reason = KittensExperts.is_supported_config(

@@ -23,7 +23,7 @@ from vllm.platforms import current_platform
 
 from mok_serve.kernels import fused_moe_fp8
 from mok_serve.vllm import KITTENS
-from mok_serve.vllm import expert_parallel
+from mok_serve.vllm import deterministic, expert_parallel
 from mok_serve.vllm.experts import KittensExperts, TimedMoEMethod, logger
 
 BLOCK = [128, 128]  # the one weight block shape kittens runs (DeepSeek-V3's)
@@ -104,6 +104,7 @@ class KittensFp8MoEMethod(TimedMoEMethod, Fp8MoEMethod):
         if moe.moe_backend != KITTENS:
             super().__init__(quant_config, layer)
             return
+        deterministic.install()
         # The stock constructor maps the backend name to one of vLLM's kernels and raises on
         # names it does not know, so set up what the rest of Fp8MoEMethod reads here.
         FusedMoEMethodBase.__init__(self, moe)

@@ -132,7 +132,7 @@ def test_analyse_counts_and_compares_with_alone():
 def test_no_alone_probe_means_no_comparison(tmp_path):
     s = invariance.analyse([rec(0, None, None, companions=0, ok=False), rec(1, [1], [-1.0])], planned=2)
     assert s["equal_to_alone"] is None and s["distinct_completions"] == 1
-    results = {"config": {"command": "x", "model": None, "batch_invariant": True, "probes": 2, "prompt": "p",
+    results = {"config": {"command": "x", "model": None, "modes": "default,deterministic", "urls": {}, "probes": 2, "prompt": "p",
                           "max_tokens": 1, "max_batch": 1, "seed": 0, "spread": 0.1},
                "commit": {"commit": None, "dirty": None}, "started": "now", "targets": [
                    {"name": "a", "moe_backend": None, "events": [], "summary": s}]}
@@ -254,34 +254,49 @@ def test_started_servers(monkeypatch, tmp_path, parallel):
     monkeypatch.setattr(invariance, "stock_backend", lambda: "triton")
     root = str(tiny_models.build_tiny_model())
     code, results, md = run_tool(
-        tmp_path, "--model", root, "--backends", "stock,kittens,bad=broken", "--probes", "4", "--max-batch", "3",
+        tmp_path, "--model", root, "--backends", "stock,kittens,bad=broken", "--modes", "deterministic",
+        "--probes", "4", "--max-batch", "3",
         "--server-arg=--attention-backend=TRITON_ATTN", "--server-arg=--gpu-memory-utilization 0.3",
         *(["--parallel-start"] if parallel else []))
     assert code == 1  # one server did not start
     stock, kittens, bad = results["targets"]
+    assert [t["name"] for t in results["targets"]] == ["stock-deterministic", "kittens-deterministic", "bad-deterministic"]
     assert stock["summary"]["distinct_completions"] == kittens["summary"]["distinct_completions"] == 1
     assert stock["summary"]["ok"] == kittens["summary"]["ok"] == 4 and not stock["events"]
     assert bad["events"] == ["server did not start: server exited with code 1:"] and bad["summary"]["sent"] == 0
     starts = [c for c in FakeServerProcess.calls if c[0] == "start"]
     assert sorted(c[1] for c in starts) == ["broken", "kittens", "triton"]
-    assert all(c[2] == {"VLLM_BATCH_INVARIANT": "1"} for c in starts)
-    assert all(c[3] == [root, "--moe-backend", c[1], "--no-enable-prefix-caching", "--attention-backend=TRITON_ATTN",
-                        "--gpu-memory-utilization", "0.3"] for c in starts)
-    assert stock["server_command"].startswith(f"VLLM_BATCH_INVARIANT=1 mok-serve {root} --moe-backend triton")
+    assert all(c[2] == {} for c in starts)  # mok-serve --deterministic sets the mode itself
+    assert all(c[3] == [root, "--moe-backend", c[1], "--deterministic", "--no-enable-prefix-caching",
+                        "--attention-backend=TRITON_ATTN", "--gpu-memory-utilization", "0.3"] for c in starts)
+    assert stock["server_command"].startswith(f"mok-serve {root} --moe-backend triton --deterministic")
     order = [c[:2] for c in FakeServerProcess.calls]
     if parallel:  # all up before the first is stopped
         assert order.index(("stop", "triton")) > max(order.index(("start", b)) for b in ("triton", "kittens", "broken"))
     else:  # each stopped before the next starts
         assert order[:4] == [("start", "triton"), ("stop", "triton"), ("start", "kittens"), ("stop", "kittens")]
-    assert "| bad | broken | 0/4 |" in md
+    assert "| bad-deterministic | broken | 0/4 |" in md
 
 
-def test_no_batch_invariant_mode_and_prefix_caching(monkeypatch, tmp_path):
+def test_default_modes_start_four_servers_and_prefix_caching(monkeypatch, tmp_path):
     FakeServerProcess.calls = []
     monkeypatch.setattr(invariance, "ServerProcess", FakeServerProcess)
+    monkeypatch.setattr(invariance, "stock_backend", lambda: "triton")
     root = str(tiny_models.build_tiny_model())
-    code, results, _ = run_tool(tmp_path, "--model", root, "--backends", "kittens", "--probes", "2",
-                                "--no-batch-invariant-mode", "--prefix-caching")
+    code, results, _ = run_tool(tmp_path, "--model", root, "--probes", "2", "--prefix-caching")
     assert code == 0
-    (start,) = [c for c in FakeServerProcess.calls if c[0] == "start"]
-    assert start[2] == {"VLLM_BATCH_INVARIANT": "0"} and start[3] == [root, "--moe-backend", "kittens"]
+    assert [t["name"] for t in results["targets"]] == [
+        "stock-default", "stock-deterministic", "kittens-default", "kittens-deterministic"]
+    starts = [c for c in FakeServerProcess.calls if c[0] == "start"]
+    assert [(c[2], c[3]) for c in starts] == [
+        ({"VLLM_BATCH_INVARIANT": "0"}, [root, "--moe-backend", "triton"]),
+        ({}, [root, "--moe-backend", "triton", "--deterministic"]),
+        ({"VLLM_BATCH_INVARIANT": "0"}, [root, "--moe-backend", "kittens"]),
+        ({}, [root, "--moe-backend", "kittens", "--deterministic"]),
+    ]
+    assert results["targets"][0]["server_command"] == f"VLLM_BATCH_INVARIANT=0 mok-serve {root} --moe-backend triton"
+
+
+def test_bad_modes_are_usage_errors(tmp_path, capsys):
+    assert invariance.main(["--out", str(tmp_path), "--modes", "fast", "--probes", "1"]) == invariance.EXIT_USAGE
+    assert "--modes 'fast'" in capsys.readouterr().err

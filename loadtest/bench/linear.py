@@ -1,0 +1,170 @@
+"""mok-loadtest linear: the dense layers of a deterministic server, kittens' batch-invariant GEMM
+(``mok_serve.kernels.invariant_linear``) against what stock vLLM runs in the same place.
+
+Baselines, timed in the same run: ``cublas`` (``torch.nn.functional.linear``: what a default,
+non-invariant vLLM server runs for a bf16 dense layer) and ``vllm-bi`` (vLLM's
+``linear_batch_invariant``: what vLLM runs with ``VLLM_BATCH_INVARIANT=1``), where vLLM imports.
+
+Each point (a model's dense layer [N, K] at a row count) is checked before it is timed: every
+provider's output within 1e-2 relative error norm of an fp32 reference (NaN fails), and kittens'
+rows bitwise equal alone and in the batch. Times are medians of CUDA-graph replays with the L2
+flushed before each (``harness.graph_time``); the floor is max(FLOPs / 790 TFLOP/s, bytes / 4.4
+TB/s), bytes = weight + input + output once. Results: ``linear_bench.{json,md}`` in ``--out``,
+rows appended to ``history.csv`` (benchmark ``linear_bench``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import sys
+
+import torch
+
+from .. import history, provenance
+from .harness import PEAK_BYTES, PEAK_FLOPS, graph_time, passes, rel_err
+
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
+ROWS = (1, 8, 32, 64, 128, 256, 512, 2048, 8192)
+TOL = 1e-2
+
+# Dense layers [N, K] of the served shapes (public configs; vLLM fuses q/k/v, gate/up and DeepSeek's
+# q_a/kv_a projections into one weight each).
+DENSE_LAYERS = {
+    "Qwen3-30B-A3B": {"qkv_proj": (5120, 2048), "o_proj": (2048, 4096), "router": (128, 2048),
+                      "lm_head": (151936, 2048)},
+    "GLM-4.5-Air": {"qkv_proj": (14336, 4096), "o_proj": (4096, 12288), "shared_gate_up": (2816, 4096),
+                    "shared_down": (4096, 1408), "router": (128, 4096), "lm_head": (151552, 4096)},
+    "DeepSeek-V3": {"qkv_a_proj": (2112, 7168), "q_b_proj": (24576, 1536), "kv_b_proj": (32768, 512),
+                    "o_proj": (7168, 16384), "shared_gate_up": (4096, 7168), "shared_down": (7168, 2048),
+                    "router": (256, 7168), "lm_head": (129280, 7168)},
+}
+
+
+def floor_ms(rows: int, n: int, k: int, elem_bytes: int = 2) -> float:
+    flops = 2.0 * rows * n * k
+    moved = (n * k + rows * k + rows * n) * elem_bytes
+    return max(flops / PEAK_FLOPS, moved / PEAK_BYTES) * 1e3
+
+
+def providers() -> dict:
+    from mok_serve.kernels import invariant_linear
+
+    impls = {"kittens": invariant_linear, "cublas": torch.nn.functional.linear}
+    try:
+        from vllm.model_executor.determinism import batch_invariant as vllm_bi
+
+        impls["vllm-bi"] = vllm_bi.linear_batch_invariant
+    except ImportError:
+        pass
+    return impls
+
+
+def measure(model: str, layer: str, n: int, k: int, rows: int, impls: dict, gen) -> dict:
+    w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(torch.bfloat16)
+    x = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
+    ref = x.float() @ w.float().t()
+    row = {"model": model, "layer": layer, "n": n, "k": k, "rows": rows, "floor_ms": floor_ms(rows, n, k)}
+    kittens = impls["kittens"](x, w)
+    alone = impls["kittens"](x[-1:], w)
+    row["kittens_row_alone_equal"] = bool(torch.equal(alone, kittens[-1:]))
+    for name, fn in impls.items():
+        err = rel_err(fn(x, w), ref)
+        row[f"{name}_err"] = err
+        if not passes(err, TOL):
+            row[f"{name}_ms"] = None
+            continue
+        row[f"{name}_ms"], _, _ = graph_time(lambda fn=fn: fn(x, w))
+    if row.get("kittens_ms") is not None:
+        row["kittens_x_floor"] = row["kittens_ms"] / row["floor_ms"]
+        for name in impls:
+            if name != "kittens" and row.get(f"{name}_ms") is not None:
+                row[f"speedup_vs_{name}"] = row[f"{name}_ms"] / row["kittens_ms"]
+    return row
+
+
+def markdown(meta: dict, rows: list[dict], names: list[str]) -> str:
+    head = ["model", "layer", "N x K", "rows", "floor us", *[f"{n} us" for n in names], "kittens x floor",
+            *[f"vs {n}" for n in names if n != "kittens"], "row alone = in batch"]
+    lines = [f"# Dense layers: kittens' batch-invariant GEMM vs stock ({meta['gpu']}, commit {meta['commit']})", "",
+             meta["timing"], "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def us(v):
+        return "-" if v is None else f"{v * 1e3:.1f}"
+
+    for r in rows:
+        cells = [r["model"], r["layer"], f"{r['n']} x {r['k']}", str(r["rows"]), us(r["floor_ms"]),
+                 *[us(r.get(f"{n}_ms")) for n in names], f"{r.get('kittens_x_floor', float('nan')):.2f}",
+                 *[f"{r[f'speedup_vs_{n}']:.2f}x" if r.get(f"speedup_vs_{n}") else "-" for n in names if n != "kittens"],
+                 "yes" if r["kittens_row_alone_equal"] else "**NO**"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def history_rows(meta: dict, rows: list[dict], names: list[str]) -> list[dict]:
+    common = dict(date=meta["date"][:19], commit=meta["commit"], benchmark="linear_bench", gpu=meta["gpu"],
+                  versions=f"torch={meta['torch']} triton={meta['triton']} vllm={meta['vllm']}", routing="", config="",
+                  source="")
+    out = []
+    for r in rows:
+        base = dict(common, shape=f"{r['model']}:{r['layer']}", tokens_or_load=r["rows"])
+        for n in names:
+            if r.get(f"{n}_ms") is not None:
+                out.append(dict(base, provider=n, metric="time_ms", value=r[f"{n}_ms"], unit="ms"))
+        out.append(dict(base, provider="floor", metric="floor_ms", value=r["floor_ms"], unit="ms"))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="mok-loadtest linear", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default=",".join(DENSE_LAYERS), help="comma-separated, of: " + ", ".join(DENSE_LAYERS))
+    p.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts (tokens per step)")
+    p.add_argument("--out", default=str(RESULTS), help="folder for linear_bench.{json,md}")
+    p.add_argument("--seed", type=int, default=1234)
+    history.add_arguments(p)
+    args = p.parse_args(argv)
+    models = [m for m in args.models.split(",") if m]
+    unknown = set(models) - set(DENSE_LAYERS)
+    if unknown:
+        p.error(f"unknown model(s) {', '.join(sorted(unknown))}")
+    row_counts = [int(r) for r in args.rows.split(",") if r]
+    if not torch.cuda.is_available():
+        print("the dense-layer benchmark needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import triton
+    from tqdm import tqdm
+
+    impls = providers()
+    names = list(impls)
+    try:
+        import vllm
+
+        vllm_version = vllm.__version__
+    except ImportError:
+        vllm_version = None
+    meta = dict(gpu=torch.cuda.get_device_name(), commit=provenance.git_commit(),
+                date=datetime.datetime.now(datetime.UTC).isoformat(), torch=torch.__version__,
+                triton=triton.__version__, vllm=vllm_version, peak_flops=PEAK_FLOPS, peak_bytes=PEAK_BYTES,
+                timing="Median of CUDA-graph replays, L2 flushed before each (triton.testing.do_bench); bf16 weights "
+                "and inputs, no bias; `vs X`: X's time / kittens' time.")
+    gen = torch.Generator(device="cuda").manual_seed(args.seed)
+    points = [(m, layer, n, k, r) for m in models for layer, (n, k) in DENSE_LAYERS[m].items() for r in row_counts]
+    rows = []
+    for m, layer, n, k, r in tqdm(points, desc="dense layers", unit="point"):
+        rows.append(measure(m, layer, n, k, r, impls, gen))
+        torch.cuda.empty_cache()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "linear_bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    text = markdown(meta, rows, names)
+    (out / "linear_bench.md").write_text(text)
+    history.write(history_rows(meta, rows, names), history.resolve(args), "mok-loadtest linear")
+    print(text)
+    return 0 if all(r["kittens_row_alone_equal"] and r.get("kittens_ms") is not None for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

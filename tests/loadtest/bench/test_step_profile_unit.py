@@ -1,0 +1,41 @@
+"""mok-loadtest step-profile and linear without a GPU: kernel kinds, the decode-step difference, the
+tables."""
+
+from mok_serve.loadtest.bench import linear, step_profile
+
+
+def test_kernel_kinds():
+    kinds = {name: step_profile.kind_of(name) for name in [
+        "_moe_decode_experts_kernel", "fused_moe_kernel", "kernel_unified_attention", "reshape_and_cache_flash_kernel",
+        "matmul_kernel_persistent", "_linear_kernel", "nvjet_tst_128x64_64x8", "sm90_xmma_gemm_bf16bf16",
+        "_rms_norm_kernel", "void vllm::fused_add_rms_norm_kernel", "_log_softmax_kernel", "triton_poi_fused_mul_0"]}
+    assert [kinds[k] for k in kinds] == ["moe", "moe", "attention", "attention", "dense gemm", "dense gemm",
+                                         "dense gemm", "dense gemm", "norm", "norm", "sampling/logits", "other"]
+
+
+def test_decode_step_is_the_difference_per_step_and_tables_render():
+    short = {"_linear_kernel": 100.0, "kernel_unified_attention": 10.0}
+    long = {"_linear_kernel": 900.0, "kernel_unified_attention": 170.0, "_moe_decode_experts_kernel": 400.0}
+    step = step_profile.decode_step(short, long, 8)
+    assert step == {"_linear_kernel": 100.0, "kernel_unified_attention": 20.0, "_moe_decode_experts_kernel": 50.0}
+    kinds = step_profile.by_kind(step)
+    assert list(kinds) == ["dense gemm", "moe", "attention"]
+    result = dict(label="x", model="m", moe_backend="kittens", deterministic=True, gpu="g", commit="c", vllm="v",
+                  input_len=512, decode_steps=8,
+                  decode_step=dict(wall_ms=1.5, gpu_us=170.0, by_kind_us=kinds, top_kernels_us=sorted(step.items())))
+    md = step_profile.markdown(result)
+    assert "| dense gemm | 100.0 | 58.8% |" in md and "wall time per decode step: 1.500 ms" in md
+
+
+def test_linear_bench_floor_table_and_history_rows():
+    assert linear.floor_ms(1, 2048, 4096) == (2048 * 4096 + 4096 + 2048) * 2 / linear.PEAK_BYTES * 1e3
+    assert linear.floor_ms(8192, 8192, 8192) == 2.0 * 8192**3 / linear.PEAK_FLOPS * 1e3
+    meta = dict(gpu="g", commit="c", date="2026-12-04T00:00:00+00:00", torch="t", triton="tr", vllm=None,
+                timing="median")
+    rows = [dict(model="Qwen3-30B-A3B", layer="o_proj", n=2048, k=4096, rows=1, floor_ms=0.004, kittens_ms=0.005,
+                 cublas_ms=0.006, kittens_x_floor=1.25, speedup_vs_cublas=1.2, kittens_row_alone_equal=True)]
+    md = linear.markdown(meta, rows, ["kittens", "cublas"])
+    assert "| Qwen3-30B-A3B | o_proj | 2048 x 4096 | 1 | 4.0 | 5.0 | 6.0 | 1.25 | 1.20x | yes |" in md
+    hist = linear.history_rows(meta, rows, ["kittens", "cublas"])
+    assert [(h["provider"], h["metric"]) for h in hist] == [("kittens", "time_ms"), ("cublas", "time_ms"),
+                                                            ("floor", "floor_ms")]

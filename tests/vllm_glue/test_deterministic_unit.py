@@ -1,0 +1,91 @@
+"""Deterministic serving's glue without a GPU: kittens' dense layer put where vLLM's batch-invariant
+mode calls its own (only in that mode, only on CUDA), the --deterministic flag, and the
+kittens-random weights."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")
+
+from mok_serve.vllm import deterministic, random_weights  # noqa: E402
+
+
+def test_install_puts_kittens_linear_where_vllm_calls_its_own(monkeypatch):
+    import importlib
+
+    monkeypatch.setattr(deterministic, "wanted", lambda: True)
+    monkeypatch.setattr(deterministic, "_installed", False)
+    modules = [importlib.import_module(name) for name in deterministic.LINEAR_CALLERS]
+    for m in modules:
+        monkeypatch.setattr(m, "linear_batch_invariant", m.linear_batch_invariant)  # restored after the test
+    assert deterministic.install()
+    assert all(m.linear_batch_invariant is deterministic.kittens_linear_batch_invariant for m in modules)
+    # vLLM's contract: weight [N, K], a bias broadcastable to [N].
+    x, w = torch.randn(3, 5, 64), torch.randn(7, 64)
+    out = deterministic.kittens_linear_batch_invariant(x, w, torch.tensor([0.5]))
+    assert out.shape == (3, 5, 7)
+    assert torch.allclose(out, x @ w.t() + 0.5, atol=1e-4)
+
+
+def test_nothing_changes_outside_batch_invariant_mode_or_off_cuda(monkeypatch):
+    from vllm.model_executor.layers import linear
+
+    before = linear.linear_batch_invariant
+    monkeypatch.setattr(deterministic, "_installed", False)
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")  # on, but this machine is no CUDA one
+    assert not deterministic.wanted() and not deterministic.install()
+    assert linear.linear_batch_invariant is before
+
+
+def test_deterministic_flag_is_refused_without_a_gpu():
+    run = subprocess.run([sys.executable, "-m", "mok_serve.cli", "--deterministic"], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode != 0
+    assert "--deterministic needs a CUDA GPU" in run.stderr
+
+
+def test_deterministic_flag_contradicting_the_environment_is_refused(monkeypatch):
+    from mok_serve import cli
+
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
+    with pytest.raises(SystemExit, match="contradicts VLLM_BATCH_INVARIANT=0"):
+        cli._deterministic()
+
+
+def test_random_weights_keep_trained_scales_and_are_the_same_everywhere():
+    w13 = torch.empty(4, 96, 256, dtype=torch.bfloat16)
+    random_weights.fill(w13, "model.layers.3.mlp.experts.w13_weight")
+    assert abs(w13.float().std().item() * 256**0.5 - 1) < 0.05
+    again = torch.empty_like(w13)
+    random_weights.fill(again, "model.layers.3.mlp.experts.w13_weight")
+    other = torch.empty_like(w13)
+    random_weights.fill(other, "model.layers.4.mlp.experts.w13_weight")
+    assert torch.equal(w13, again) and not torch.equal(w13, other)
+    norm, bias = torch.empty(8), torch.empty(8)
+    random_weights.fill(norm, "model.layers.0.post_attention_layernorm.weight")
+    random_weights.fill(bias, "model.layers.0.self_attn.qkv_proj.bias")
+    assert torch.equal(norm, torch.ones(8)) and torch.equal(bias, torch.zeros(8))
+    routing_bias = torch.empty(8)
+    routing_bias.dummy_weight_value = 0.0  # what TimedMoEMethod sets on DeepSeek-V3's routing bias
+    random_weights.fill(routing_bias, "model.layers.3.mlp.gate.e_score_correction_bias")
+    assert torch.equal(routing_bias, torch.zeros(8))
+    q = torch.empty(256, 512, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(2, 4)
+    random_weights.fill(q, "model.layers.0.self_attn.o_proj.weight")
+    random_weights.fill(scale, "model.layers.0.self_attn.o_proj.weight_scale_inv")
+    assert abs(q.float().std().item() - 1) < 0.05 and torch.equal(scale, torch.full((2, 4), 512**-0.5))
+    with pytest.raises(ValueError, match="block-FP8 scales only"):
+        random_weights.fill(torch.empty(1), "model.layers.0.self_attn.o_proj.weight_scale")
+
+
+def test_random_weights_load_format_is_registered():
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+
+    from mok_serve.plugin import register
+
+    register()
+    assert isinstance(get_model_loader(LoadConfig(load_format="kittens-random")), random_weights.ScaledRandomLoader)
