@@ -109,7 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     import vllm
     from vllm import LLM, SamplingParams
 
+    from mok_serve.plugin import register
+
     from .. import provenance
+
+    register()  # --moe-backend kittens and the kittens-random load format in this process
 
     kwargs = dict(model=args.model, load_format=args.load_format, moe_backend=args.moe_backend,
                   max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,

@@ -8,7 +8,8 @@ determinism probe on such a model proves nothing. These weights keep real-model 
 - matrices (and expert stacks) ``normal(0, 1/sqrt(fan_in))``, fan_in the last dimension, so each
   layer keeps its input's scale and the logits spread like a trained model's (std ~1);
 - block-FP8 weights: e4m3 ``normal(0, 1)`` with every 128x128 block's scale ``1/sqrt(fan_in)``;
-- norm weights 1, biases 0 (DeepSeek-V3's routing bias too), other vectors ``normal(0, 0.02)``.
+- norm weights 1, biases 0 (DeepSeek-V3's routing bias too), other vectors ``normal(0, 0.02)``,
+  scalar scales (the attention layers' KV-cache scales) 1.
 
 Each tensor's values come from a generator seeded by its name, so every server built from the same
 config, stock or kittens, holds the same weights (shards: the same per tensor-parallel degree).
@@ -43,6 +44,9 @@ def fill(tensor: torch.Tensor, name: str) -> None:
         return
     leaf = name.rsplit(".", 1)[-1]
     if "scale" in leaf:
+        if tensor.dim() == 0:  # the attention layers' KV-cache and query scales: identity
+            tensor.fill_(1.0)
+            return
         if tensor.dim() < 2:
             raise ValueError(f"--load-format {LOAD_FORMAT} fills block-FP8 scales only; {name} has shape "
                              f"{list(tensor.shape)} (a per-tensor or per-channel scale)")
@@ -74,6 +78,7 @@ def _normal(tensor: torch.Tensor, std: float, name: str, chunk_elems: int = 1 <<
 class ScaledRandomLoader(DummyModelLoader):
     """vLLM's dummy loader with ``fill`` in place of its uniform +-1e-3 noise."""
 
+    @torch.no_grad()
     def load_weights(self, model: torch.nn.Module, model_config) -> None:
         for prefix, layer in model.named_modules():
             info = get_layerwise_info(layer)
