@@ -8,23 +8,28 @@ All compute the function documented in ``reference.py``. ``fused_moe_fp8``
 (``torch.ops.mok_serve.fused_moe_fp8``) is the same for block-scaled FP8 experts (``fp8.py``;
 Triton kernels in ``cuda/moe_fp8.py``). ``invariant_linear`` (``torch.ops.mok_serve.invariant_linear``)
 is the batch-invariant dense layer a deterministic server runs its other layers with (``linear.py``;
-Triton kernels in ``cuda/linear.py``).
+Triton kernels in ``cuda/linear.py``), ``invariant_attention`` its paged attention (``attention.py``;
+``cuda/attention.py``; called where vLLM calls its attention kernel, outside compiled graphs, so a
+plain function).
 """
 
 import torch
 
+from .attention import attention_reference
 from .fp8 import BLOCK_SHAPE, as_block_shape, fused_moe_fp8_reference
 from .linear import invariant_linear_reference
 from .reference import check_fused_moe_args, fused_moe_reference
 from .routing import grouped_sigmoid_topk, softmax_topk
 
 __all__ = [
+    "attention_reference",
     "check_fused_moe_args",
     "fused_moe",
     "fused_moe_fp8",
     "fused_moe_fp8_reference",
     "fused_moe_reference",
     "grouped_sigmoid_topk",
+    "invariant_attention",
     "invariant_linear",
     "invariant_linear_reference",
     "softmax_topk",
@@ -167,6 +172,22 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     sums over K chunks fixed by the weight's shape, added in chunk order, rounded once
     (``linear.py``). Bad arguments raise ``ValueError`` naming the problem."""
     return torch.ops.mok_serve.invariant_linear(x, weight, bias)
+
+
+def invariant_attention(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, max_seq_len: int,
+                        scale: float, window: int | None = None) -> torch.Tensor:
+    """Causal paged attention whose output for a query token depends on that token's query, keys
+    and values alone (``attention.py``): ``q`` ``[tokens, heads, D]``, caches ``[blocks, block_size,
+    kv_heads, D]`` (strided views allowed), ``cu_seqlens_q`` ``[seqs + 1]``, ``seq_lens`` ``[seqs]``
+    (KV lengths, the query tokens last), ``block_table`` ``[seqs, blocks per seq]``, ``max_seq_len``
+    a bound on ``seq_lens`` for every replay of a captured call, ``window`` keys before the token's own
+    (None: all). Writes ``out`` (``q``'s shape) and returns it."""
+    if q.is_cuda:
+        from .cuda.attention import invariant_attention_triton
+
+        return invariant_attention_triton(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, max_seq_len,
+                                          scale, window)
+    return out.copy_(attention_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, window))
 
 
 def warm_up(

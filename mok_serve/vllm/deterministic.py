@@ -3,10 +3,17 @@
 ``mok-serve --deterministic`` (or ``VLLM_BATCH_INVARIANT=1 vllm serve MODEL --moe-backend kittens``)
 runs vLLM's batch-invariant mode (``vllm/model_executor/determinism/batch_invariant.py``: invariant
 attention, norms, softmax and sampling ops, NCCL and all-reduce pinned) with the kittens experts,
-which need no invariant fallback, and puts kittens' batch-invariant dense layer
-(``mok_serve.kernels.invariant_linear``) where vLLM's invariant mode calls its own: vLLM's runs one
-fixed 128x128 tile for every row count, so a decode step's skinny matmuls use a fraction of each tile
-and, for narrow weights, a fraction of the SMs.
+which need no invariant fallback, and puts two kittens kernels where that mode is slow:
+
+- the dense layers (``mok_serve.kernels.invariant_linear``) where vLLM's invariant mode calls its
+  own GEMM, which runs one fixed 128x128 tile for every row count, so a decode step's skinny
+  matmuls use a fraction of each tile and, for narrow weights, a fraction of the SMs;
+- the paged attention of vLLM's Triton attention backend (``mok_serve.kernels.invariant_attention``):
+  vLLM's invariant mode runs its single-pass kernel, one program per query block and KV head (4
+  programs for a Qwen3-30B-A3B decode step alone); kittens' cuts the keys into segments at fixed
+  positions and spreads a small call's segments over programs. Calls it does not cover (ALiBi,
+  sinks, soft-capping, quantized KV caches, prefix-LM ranges, chunked attention, fused output
+  quantization) go to vLLM's kernel as before.
 
 Only a server whose MoE backend is kittens changes: ``install`` runs when the first kittens MoE
 layer is built (in each worker, before any forward pass or compilation), so stock servers with
@@ -17,7 +24,7 @@ import vllm.envs as envs
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 
-from mok_serve.kernels import invariant_linear
+from mok_serve.kernels import invariant_attention, invariant_linear
 
 logger = init_logger("vllm.mok_serve")
 
@@ -28,6 +35,7 @@ LINEAR_CALLERS = (
     "vllm.model_executor.layers.linear",
     "vllm.model_executor.layers.vocab_parallel_embedding",
 )
+ATTENTION_CALLER = "vllm.v1.attention.backends.triton_attn"
 
 _installed = False
 
@@ -38,6 +46,38 @@ def kittens_linear_batch_invariant(input, weight, bias=None):
     if bias is not None:
         bias = bias.expand(weight.shape[0])
     return invariant_linear(input, weight, bias)
+
+
+def kittens_unified_attention(vllm_kernel, max_model_len: int):
+    """A stand-in for vLLM's ``unified_attention`` (called with keywords by its Triton attention
+    backend) that runs ``invariant_attention`` where it covers the call, else ``vllm_kernel``."""
+
+    def unified_attention(**kw):
+        window = kw.get("window_size") or (-1, -1)
+        causal = kw.get("causal")
+        covered = (
+            causal is True
+            and kw["k"].dtype == kw["q"].dtype
+            and window[1] in (-1, 0)
+            and not kw.get("softcap")
+            and kw.get("q_descale") is None
+            and all(kw.get(name) is None for name in (
+                "alibi_slopes", "sinks", "output_scale", "qq_bias", "mm_prefix_range", "rswa_prefix_lens",
+                "k_scale_cache", "v_scale_cache"))
+            and kw.get("chunk_lookback", -1) in (-1, 0, None)
+            and not kw.get("use_td", False)
+            and getattr(kw.get("kv_quant_mode"), "name", "NONE") == "NONE"
+            and kw["q"].shape[1] // kw["k"].shape[2] <= 16
+        )
+        if not covered:
+            return vllm_kernel(**kw)
+        return invariant_attention(
+            kw["q"], kw["k"], kw["v"], kw["out"], kw["cu_seqlens_q"], kw["seqused_k"], kw["block_table"],
+            max(max_model_len, kw["max_seqlen_k"]), kw["softmax_scale"], window[0] if window[0] >= 0 else None,
+        )
+
+    unified_attention.vllm_kernel = vllm_kernel
+    return unified_attention
 
 
 def wanted() -> bool:
@@ -53,11 +93,20 @@ def install() -> bool:
         return _installed
     import importlib
 
+    from vllm.config import get_current_vllm_config_or_none
+
     for name in LINEAR_CALLERS:
         module = importlib.import_module(name)
         if not hasattr(module, "linear_batch_invariant"):
             raise RuntimeError(f"kittens: {name} has no linear_batch_invariant (vLLM version not supported)")
         module.linear_batch_invariant = kittens_linear_batch_invariant
+    attention = importlib.import_module(ATTENTION_CALLER)
+    if not hasattr(attention, "unified_attention"):
+        raise RuntimeError(f"kittens: {ATTENTION_CALLER} has no unified_attention (vLLM version not supported)")
+    config = get_current_vllm_config_or_none()
+    max_model_len = config.model_config.max_model_len if config is not None and config.model_config else 0
+    attention.unified_attention = kittens_unified_attention(attention.unified_attention, max_model_len)
     _installed = True
-    logger.info_once("kittens: deterministic serving: dense layers run mok-serve's batch-invariant GEMM")
+    logger.info_once("kittens: deterministic serving: dense layers and Triton paged attention run mok-serve's "
+                     "batch-invariant kernels")
     return True

@@ -89,3 +89,31 @@ def test_random_weights_load_format_is_registered():
 
     register()
     assert isinstance(get_model_loader(LoadConfig(load_format="kittens-random")), random_weights.ScaledRandomLoader)
+
+
+def test_attention_stand_in_runs_kittens_where_it_covers_the_call_and_vllm_elsewhere():
+    from attention_test_utils import Batch
+
+    from mok_serve.kernels import attention_reference
+
+    calls = []
+    stand_in = deterministic.kittens_unified_attention(lambda **kw: calls.append(kw) or kw["out"], max_model_len=512)
+    b = Batch.random([(1, 90), (4, 40)], 4, 2, 32, seed=1)
+
+    def kwargs(**changes):
+        kw = dict(q=b.q, k=b.k, v=b.v, out=torch.zeros_like(b.q), cu_seqlens_q=b.cu_q, max_seqlen_q=4,
+                  seqused_k=b.seq_lens, max_seqlen_k=90, softmax_scale=b.scale, causal=True, window_size=(-1, -1),
+                  block_table=b.block_table, softcap=0, q_descale=None, k_descale=None, v_descale=None,
+                  alibi_slopes=None, sinks=None, output_scale=None)
+        kw.update(changes)
+        return kw
+
+    out = stand_in(**kwargs())
+    ref = attention_reference(b.q, b.k, b.v, b.cu_q, b.seq_lens, b.block_table, b.scale)
+    assert not calls and torch.equal(out, ref)
+    windowed = stand_in(**kwargs(window_size=(9, 0)))
+    assert torch.equal(windowed, attention_reference(b.q, b.k, b.v, b.cu_q, b.seq_lens, b.block_table, b.scale, 9))
+    for change in (dict(softcap=30.0), dict(sinks=torch.zeros(4)), dict(alibi_slopes=torch.zeros(4)),
+                   dict(window_size=(9, 9)), dict(causal=False)):
+        stand_in(**kwargs(**change))
+    assert len(calls) == 5

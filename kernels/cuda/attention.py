@@ -1,0 +1,277 @@
+"""Batch-invariant paged attention on CUDA (``invariant_attention``; the function is in ``../attention.py``).
+
+A program owns one query block (``BLOCK_Q`` tokens of one sequence times the ``GROUP`` query heads
+of one KV head: ``BLOCK_M`` rows, the same tile for decode and prefill rows) and either every
+segment its rows see, merged in order inside the program (``_attention_kernel``), or one segment
+(``SPLIT``: grid axis 2) whose (m, l, acc) it writes to a workspace that ``_attention_merge_kernel``
+merges in the same order. Both run the same ``_segment`` and ``_merge`` code, so a row's bits do
+not depend on the path, its block's other rows or the call.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..attention import SEGMENT, TILE, check_attention_args
+from .launch import interpreting, pdl_launch
+from .tiles import grid_dependency
+
+__all__ = ["invariant_attention_triton", "attention_plan"]
+
+BLOCK_M = 16  # query rows per program (tokens x query heads of one KV head): one tile shape for every call
+
+
+@triton.jit
+def _find_block(cu_q_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
+    """(sequence, its first query token, query tokens, block inside it) of query block ``pid``; a
+    sequence of ``n`` query tokens owns ``n // BLOCK_Q + 1`` block ids (the grid's bound)."""
+    lo = 0
+    hi = num_seqs  # invariant: the sequence is in [lo, hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        start = tl.load(cu_q_ptr + mid)
+        if start // BLOCK_Q + mid <= pid:
+            lo = mid
+        else:
+            hi = mid
+    q0 = tl.load(cu_q_ptr + lo)
+    q1 = tl.load(cu_q_ptr + lo + 1)
+    return lo, q0, q1 - q0, pid - (q0 // BLOCK_Q + lo)
+
+
+@triton.jit
+def _segment(q, k_ptr, v_ptr, bt_row_ptr, kv_head, seq_len, seg, pos, lo, scale,
+             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+             PAGE: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+             SEG: tl.constexpr, TILE_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """(m, l, acc) of segment ``seg`` for the block's rows (positions ``pos``, first visible key
+    ``lo``): an online softmax over its tiles in order; a tile without a visible key for a row
+    leaves that row's state as it was (bit for bit)."""
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_ok = offs_d < HEAD
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    for t0 in tl.static_range(0, SEG, TILE_K):
+        keys = seg * SEG + t0 + tl.arange(0, TILE_K)
+        key_ok = keys < seq_len
+        page = tl.load(bt_row_ptr + keys // PAGE, mask=key_ok, other=0).to(tl.int64)
+        slot = keys % PAGE
+        k_off = page * stride_kb + slot * stride_ks + kv_head * stride_kh
+        v_off = page * stride_vb + slot * stride_vs + kv_head * stride_vh
+        kt = tl.load(k_ptr + k_off[None, :] + offs_d[:, None], mask=key_ok[None, :] & d_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+        if DOT_F32:  # fp32 data, and the interpreter (which mis-multiplies bf16 dots): fp32 ieee dots
+            s = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
+        else:
+            s = tl.dot(q, kt)
+        s = s * scale
+        visible = (keys[None, :] <= pos[:, None]) & (keys[None, :] >= lo[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        any_visible = tl.max(visible.to(tl.int32), axis=1) > 0
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_new = l * alpha + tl.sum(p, axis=1)
+        p_v = p.to(v.dtype)
+        if DOT_F32:
+            pv = tl.dot(p_v.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p_v, v)
+        acc_new = acc * alpha[:, None] + pv
+        m = tl.where(any_visible, m_new, m)
+        l = tl.where(any_visible, l_new, l)
+        acc = tl.where(any_visible[:, None], acc_new, acc)
+    return m, l, acc
+
+
+@triton.jit
+def _merge(M, L, O, m, l, acc):
+    """Merge a segment's (m, l, acc) into the running (M, L, O) where the segment saw a key (l > 0)."""
+    has = l > 0
+    M_new = tl.maximum(M, m)
+    M_safe = tl.where(M_new == float("-inf"), 0.0, M_new)
+    a = tl.exp(M - M_safe)
+    b = tl.exp(m - M_safe)
+    L_new = L * a + l * b
+    O_new = O * a[:, None] + acc * b[:, None]
+    return tl.where(has, M_new, M), tl.where(has, L_new, L), tl.where(has[:, None], O_new, O)
+
+
+@triton.jit
+def _rows(cu_q_ptr, seq_lens_ptr, pid_q, kv_head, num_seqs, window,
+          GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """The block's rows: (sequence, its KV length, token index, query head, row ok, position, first
+    visible key) of each of the BLOCK_M rows (row r: token r // GROUP of the block, head r % GROUP)."""
+    seq, q0, q_len, block = _find_block(cu_q_ptr, pid_q, num_seqs, BLOCK_Q)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    r = tl.arange(0, BLOCK_M)
+    local = block * BLOCK_Q + r // GROUP
+    row_ok = (r < BLOCK_Q * GROUP) & (local < q_len)
+    token = q0 + local
+    head = kv_head * GROUP + r % GROUP
+    pos = tl.where(row_ok, seq_len - q_len + local, -1)
+    if HAS_WINDOW:
+        lo = tl.maximum(pos - window, 0)
+    else:
+        lo = tl.zeros([BLOCK_M], tl.int32)
+    return seq, seq_len, token, head, row_ok, pos, lo
+
+
+@triton.jit
+def _attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr, part_ptr, ml_ptr,
+    num_seqs, scale, window, max_segs,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr,
+    HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, SEG: tl.constexpr, TILE_K: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+):
+    grid_dependency(PDL)
+    kv_head = tl.program_id(1)
+    seq, seq_len, token, head, row_ok, pos, lo = _rows(cu_q_ptr, seq_lens_ptr, tl.program_id(0), kv_head, num_seqs,
+                                                       window, GROUP, BLOCK_Q, BLOCK_M, HAS_WINDOW)
+    if tl.max(row_ok.to(tl.int32), axis=0) == 0:
+        return
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_ok = offs_d < HEAD
+    q = tl.load(q_ptr + token.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
+    first = tl.min(tl.where(row_ok, lo, 2**30), axis=0) // SEG
+    last = tl.max(tl.where(row_ok, pos, -1), axis=0) // SEG
+    if SPLIT:
+        # Program j of axis 2 computes the segments s = j (mod its size), each kept apart: the
+        # merge kernel merges them all in order. Segments past the workspace (a KV length above
+        # the call's bound) are not computed: the merge kernel poisons those rows.
+        step = tl.num_programs(2)
+        seg0 = first + (tl.program_id(2) - first % step + step) % step
+        for seg in range(seg0, tl.minimum(last, max_segs - 1) + 1, step):
+            m, l, acc = _segment(q, k_ptr, v_ptr, bt_row_ptr, kv_head, seq_len, seg, pos, lo, scale,
+                                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                 PAGE, HEAD, HEAD_PAD, BLOCK_M, SEG, TILE_K, DOT_F32)
+            cell = (token.to(tl.int64) * tl.num_programs(1) * GROUP + head) * max_segs + seg  # [tokens, heads, segs]
+            tl.store(part_ptr + cell[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
+            tl.store(ml_ptr + cell * 2, m, mask=row_ok)
+            tl.store(ml_ptr + cell * 2 + 1, l, mask=row_ok)
+    else:
+        M = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        L = tl.zeros([BLOCK_M], tl.float32)
+        O = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+        for seg in range(first, last + 1):
+            m, l, acc = _segment(q, k_ptr, v_ptr, bt_row_ptr, kv_head, seq_len, seg, pos, lo, scale,
+                                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                 PAGE, HEAD, HEAD_PAD, BLOCK_M, SEG, TILE_K, DOT_F32)
+            M, L, O = _merge(M, L, O, m, l, acc)
+        out = O / tl.where(L > 0, L, 1.0)[:, None]  # (rows past the block's tokens: never stored)
+        tl.store(out_ptr + token.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _attention_merge_kernel(
+    out_ptr, cu_q_ptr, seq_lens_ptr, part_ptr, ml_ptr, num_seqs, window, max_segs,
+    stride_ot, stride_oh,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD: tl.constexpr,
+    HEAD_PAD: tl.constexpr, SEG: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr,
+):
+    """The split path's second step: each row's segments merged in order, as ``_attention_kernel``
+    merges them in one program."""
+    grid_dependency(PDL)
+    kv_head = tl.program_id(1)
+    seq, seq_len, token, head, row_ok, pos, lo = _rows(cu_q_ptr, seq_lens_ptr, tl.program_id(0), kv_head, num_seqs,
+                                                       window, GROUP, BLOCK_Q, BLOCK_M, HAS_WINDOW)
+    if tl.max(row_ok.to(tl.int32), axis=0) == 0:
+        return
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_ok = offs_d < HEAD
+    first = tl.min(tl.where(row_ok, lo, 2**30), axis=0) // SEG
+    last = tl.max(tl.where(row_ok, pos, -1), axis=0) // SEG
+    M = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    L = tl.zeros([BLOCK_M], tl.float32)
+    O = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    base = (token.to(tl.int64) * tl.num_programs(1) * GROUP + head) * max_segs
+    for seg in range(first, tl.minimum(last, max_segs - 1) + 1):
+        # A row outside this segment's reach was not written there: it reads l = 0 (no merge).
+        sees = row_ok & (pos >= seg * SEG) & (lo < (seg + 1) * SEG)
+        cell = base + seg
+        m = tl.load(ml_ptr + cell * 2, mask=sees, other=float("-inf"))
+        l = tl.load(ml_ptr + cell * 2 + 1, mask=sees, other=0.0)
+        acc = tl.load(part_ptr + cell[:, None] * HEAD_PAD + offs_d[None, :], mask=sees[:, None], other=0.0)
+        M, L, O = _merge(M, L, O, m, l, acc)
+    out = O / tl.where(L > 0, L, 1.0)[:, None]
+    out = tl.where((pos // SEG < max_segs)[:, None], out, float("nan"))  # KV longer than the bound: poisoned
+    tl.store(out_ptr + token.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+# Split segments over programs while the call has fewer (query block, KV head) programs than this,
+# and its workspace stays under _SPLIT_MAX_BYTES; _SEGMENT_PROGRAMS programs per query block and
+# KV head then share the segments.
+_SPLIT_BELOW_PROGRAMS = 132
+_SPLIT_MAX_BYTES = 256 << 20
+_SEGMENT_PROGRAMS = 16
+
+
+def attention_plan(tokens: int, num_seqs: int, heads: int, kv_heads: int, head_size: int,
+                   max_seq_len: int) -> tuple[int, int, bool]:
+    """(tokens per query block, query-block grid bound, whether segments split over programs) of a
+    call; static shapes only."""
+    group = heads // kv_heads
+    if group > BLOCK_M:
+        raise ValueError(f"{group} query heads per KV head: at most {BLOCK_M} supported")
+    block_q = BLOCK_M // triton.next_power_of_2(group)
+    q_blocks = tokens // block_q + num_seqs
+    segs = triton.cdiv(max(max_seq_len, 1), SEGMENT)
+    workspace = tokens * heads * segs * (triton.next_power_of_2(head_size) + 2) * 4
+    return block_q, q_blocks, q_blocks * kv_heads < _SPLIT_BELOW_PROGRAMS and workspace <= _SPLIT_MAX_BYTES
+
+
+def invariant_attention_triton(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, max_seq_len: int,
+    scale: float, window: int | None = None, *, split: bool | None = None, pdl: bool | None = None,
+) -> torch.Tensor:
+    """Writes ``out`` ``[tokens, heads, head_size]`` (``q``'s layout) and returns it. ``max_seq_len``:
+    a bound on ``seq_lens`` that holds at every replay of a captured call (vLLM: the model's
+    ``max_model_len``); it sizes the split path's workspace, and rows of a longer sequence come out
+    NaN there. ``split`` overrides the plan (tests): every path gives the same bits."""
+    check_attention_args(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table)
+    tokens, heads, head_size = q.shape
+    _, page, kv_heads, _ = k_cache.shape
+    if tokens == 0:
+        return out
+    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or q.stride(2) != 1 or out.stride(2) != 1:
+        raise ValueError("the head dimension of q, out and the caches must be contiguous")
+    interpret = interpreting()
+    num_seqs = seq_lens.shape[0]
+    block_q, q_blocks, split_by_shape = attention_plan(tokens, num_seqs, heads, kv_heads, head_size, max_seq_len)
+    split = split_by_shape if split is None else split
+    group = heads // kv_heads
+    head_pad = max(16, triton.next_power_of_2(head_size))
+    max_segs = triton.cdiv(max(max_seq_len, 1), SEGMENT)
+    if split:
+        part = torch.empty((tokens, heads, max_segs, head_pad), dtype=torch.float32, device=q.device)
+        ml = torch.empty((tokens, heads, max_segs, 2), dtype=torch.float32, device=q.device)
+    else:
+        part = ml = out
+    consts = dict(GROUP=group, BLOCK_Q=block_q, BLOCK_M=BLOCK_M, HEAD=head_size, HEAD_PAD=head_pad, SEG=SEGMENT,
+                  HAS_WINDOW=window is not None)
+    _attention_kernel[(q_blocks, kv_heads, min(max_segs, _SEGMENT_PROGRAMS) if split else 1)](
+        q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, part, ml,
+        num_seqs, scale, window or 0, max_segs,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        PAGE=page, TILE_K=TILE, SPLIT=split, DOT_F32=interpret or q.dtype == torch.float32, **consts,
+        num_warps=4, num_stages=2, **pdl_launch(out, pdl, interpret),
+    )
+    if split:
+        _attention_merge_kernel[(q_blocks, kv_heads)](
+            out, cu_seqlens_q, seq_lens, part, ml, num_seqs, window or 0, max_segs, out.stride(0), out.stride(1),
+            **consts, num_warps=4, **pdl_launch(out, pdl, interpret),
+        )
+    return out

@@ -1,0 +1,66 @@
+"""Batch-invariant paged attention's Triton kernels on the CPU, under the Triton interpreter: the
+reference function, the same bits on either path, alone or in a batch, decoded or inside a
+prefill chunk of any size. In fp32 too: a bf16 output hides most fp32 ordering differences in its
+rounding (a reversed merge order changed no bf16 output of these sizes, 45 fp32 ones)."""
+
+import os
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("interpreter tests run on CPU-only machines", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from attention_test_utils import Batch, rel_err  # noqa: E402
+from mok_serve.kernels.attention import attention_reference  # noqa: E402
+from mok_serve.kernels.cuda.attention import invariant_attention_triton  # noqa: E402
+
+HEADS, KV_HEADS, HEAD = 4, 2, 32
+
+
+def run(batch: Batch, split: bool | None = None, window=None):
+    out = torch.full_like(batch.q, float("nan"))
+    return invariant_attention_triton(batch.q, batch.k, batch.v, out, batch.cu_q, batch.seq_lens, batch.block_table,
+                                      batch.max_seq_len, batch.scale, window, split=split)
+
+
+DTYPES = [torch.bfloat16, torch.float32]
+TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 40])
+def test_matches_the_reference_and_both_paths_agree(window, dtype):
+    batch = Batch.random([(1, 150), (7, 70), (33, 33), (1, 1)], HEADS, KV_HEADS, HEAD, seed=3, dtype=dtype)
+    ref = attention_reference(batch.q, batch.k, batch.v, batch.cu_q, batch.seq_lens, batch.block_table, batch.scale,
+                              window)
+    whole = run(batch, split=False, window=window)
+    assert rel_err(whole, ref) <= TOL[dtype]
+    assert torch.equal(run(batch, split=True, window=window), whole)
+
+
+def test_a_token_has_the_same_bits_alone_in_a_batch_and_in_any_prefill_chunk(dtype=torch.bfloat16):
+    """One sequence of 140 tokens: its last token decoded alone, decoded beside others, and computed
+    inside prefill chunks of several sizes (the cache holds the same keys and values). bf16 only
+    here: the interpreter's numpy fp32 dots round a row differently by its place in the tile
+    (BLAS blocking), which the GPU's MMA does not; the GPU tests check this in fp32 too."""
+    batch = Batch.random([(140, 140)], HEADS, KV_HEADS, HEAD, seed=5, dtype=dtype)
+    full = run(batch)
+    last = full[-1]
+    alone = batch.subset_queries(0, 139, 140)
+    assert torch.equal(run(alone)[0], last)
+    assert torch.equal(run(alone, split=True)[0], last)
+    for chunk in (1, 5, 64, 100):
+        part = batch.subset_queries(0, 140 - chunk, 140)
+        assert torch.equal(run(part)[-1], last), chunk
+    other = Batch.random([(3, 90), (1, 12)], HEADS, KV_HEADS, HEAD, seed=6, dtype=dtype)
+    mixed = Batch.concat(other, alone)
+    assert torch.equal(run(mixed)[-1], last)
+
+
+def test_rows_of_an_unfinished_bound_are_poisoned_on_the_split_path():
+    batch = Batch.random([(1, 200)], HEADS, KV_HEADS, HEAD, seed=8)
+    batch.max_seq_len = 100  # below the real length: the workspace cannot hold every segment
+    assert torch.isnan(run(batch, split=True)).all()
