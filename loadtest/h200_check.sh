@@ -4,7 +4,8 @@
 #   bash loadtest/h200_check.sh layer OUT [ARGS...]      # layer benchmark, bf16, against vLLM's fused_experts
 #   bash loadtest/h200_check.sh layer-fp8 OUT [ARGS...]  # the same with block-FP8 experts
 #   bash loadtest/h200_check.sh sweep-fp8 OUT [ARGS...]  # the FP8 kernels' unmeasured variants against the default
-#   bash loadtest/h200_check.sh linear-tests OUT         # pytest -m gpu: the batch-invariant dense GEMM
+#   bash loadtest/h200_check.sh linear-tests OUT         # pytest -m gpu: the batch-invariant GEMM and attention
+#   bash loadtest/h200_check.sh deterministic-serving OUT  # pytest -m gpu: the --deterministic servers' probe (vLLM)
 #   bash loadtest/h200_check.sh linear OUT [ARGS...]     # mok-loadtest linear: it against cuBLAS and vLLM's invariant GEMM
 #   bash loadtest/h200_check.sh step-profile OUT SHAPE MOE_BACKEND [--deterministic]  # one decode step at c=1
 # ARGS go to `mok-loadtest layer` (e.g. --shapes, --tokens). `tests` needs no vLLM (a session's
@@ -48,7 +49,11 @@ case $what in
       --sweep-labels default "g1 n128" "g1 n32" "one launch" "one launch n32" "g2 m64 s3" "g2 m64 s4" \
       "g2 m64 group32" group32 "g2 half tail" "$@" ;;
   linear-tests)
-    step "linear_gpu_tests_$commit.log" 300 python3 -m pytest -m gpu -q tests/kernels/test_invariant_linear_gpu.py ;;
+    step "invariant_gpu_tests_$commit.log" 400 python3 -m pytest -m gpu -q tests/kernels/test_invariant_linear_gpu.py \
+      tests/kernels/test_invariant_attention_gpu.py ;;
+  deterministic-serving)
+    MOK_TEST_LOG_DIR=$out/deterministic_serving step "deterministic_serving_gpu_tests_$commit.log" 570 \
+      python3 -m pytest -m gpu -q tests/server/test_deterministic_serving_gpu.py ;;
   linear)
     step "h200_check_linear_$commit.log" 570 mok-loadtest linear --out "$out" --no-history "$@" ;;
   step-profile)  # SHAPE (mok-serve build-model --list) MOE_BACKEND [--deterministic]
@@ -56,5 +61,5 @@ case $what in
     mok-serve build-model --shape "$1" --out "$model" >/dev/null
     step "step_profile_$commit.log" 400 mok-loadtest step-profile "$model" --moe-backend "$2" "${@:3}" \
       --attention-backend TRITON_ATTN --out "$out" ;;
-  *) echo "usage: $0 tests|layer|layer-fp8|sweep-fp8|linear-tests|linear|step-profile OUT [ARGS...]" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|layer|layer-fp8|sweep-fp8|linear-tests|deterministic-serving|linear|step-profile OUT [ARGS...]" >&2; exit 2 ;;
 esac
