@@ -8,7 +8,8 @@ All compute the function documented in ``reference.py``. ``fused_moe_fp8``
 (``torch.ops.mok_serve.fused_moe_fp8``) is the same for block-scaled FP8 experts (``fp8.py``;
 Triton kernels in ``cuda/moe_fp8.py``). ``invariant_linear`` (``torch.ops.mok_serve.invariant_linear``)
 is the batch-invariant dense layer a deterministic server runs its other layers with (``linear.py``;
-Triton kernels in ``cuda/linear.py``), ``invariant_attention`` its paged attention (``attention.py``;
+Triton kernels in ``cuda/linear.py``), ``invariant_rms_norm`` (``torch.ops.mok_serve.invariant_rms_norm``)
+its norms with the residual add (``norm.py``; ``cuda/norm.py``), ``invariant_attention`` its paged attention (``attention.py``;
 ``cuda/attention.py``; called where vLLM calls its attention kernel, outside compiled graphs, so a
 plain function).
 """
@@ -18,6 +19,7 @@ import torch
 from .attention import attention_reference
 from .fp8 import BLOCK_SHAPE, as_block_shape, fused_moe_fp8_reference
 from .linear import invariant_linear_reference
+from .norm import rms_norm_reference
 from .reference import check_fused_moe_args, fused_moe_reference
 from .routing import grouped_sigmoid_topk, softmax_topk
 
@@ -32,6 +34,8 @@ __all__ = [
     "invariant_attention",
     "invariant_linear",
     "invariant_linear_reference",
+    "invariant_rms_norm",
+    "rms_norm_reference",
     "softmax_topk",
     "warm_up",
     "warm_up_token_counts",
@@ -172,6 +176,33 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     sums over K chunks fixed by the weight's shape, added in chunk order, rounded once
     (``linear.py``). Bad arguments raise ``ValueError`` naming the problem."""
     return torch.ops.mok_serve.invariant_linear(x, weight, bias)
+
+
+def _invariant_rms_norm_impl(x, residual, weight, eps):
+    if x.is_cuda:
+        from .cuda.norm import invariant_rms_norm_triton
+
+        return invariant_rms_norm_triton(x, weight, eps, residual)
+    y, z = rms_norm_reference(x, weight, eps, residual)
+    return y, (z if z is not None else x.new_empty(0))
+
+
+if not hasattr(torch.ops.mok_serve, "invariant_rms_norm"):
+    _lib.define("invariant_rms_norm(Tensor x, Tensor? residual, Tensor? weight, float eps) -> (Tensor, Tensor)")
+    _lib.impl("invariant_rms_norm", _invariant_rms_norm_impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(
+        "mok_serve::invariant_rms_norm",
+        lambda x, residual, weight, eps: (torch.empty_like(x), torch.empty_like(x) if residual is not None else x.new_empty(0)),
+        lib=_lib,
+    )
+
+
+def invariant_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                       residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of ``x`` ``[..., H]`` (after adding ``residual``, when given) whose rows never depend on
+    the other rows (``norm.py``): ``(y, z)``, z the new residual ``round(x + residual)`` (an empty
+    tensor without a residual). Bad arguments raise ``ValueError`` naming the problem."""
+    return torch.ops.mok_serve.invariant_rms_norm(x, residual, weight, eps)
 
 
 def invariant_attention(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, max_seq_len: int,

@@ -8,6 +8,10 @@ which need no invariant fallback, and puts two kittens kernels where that mode i
 - the dense layers (``mok_serve.kernels.invariant_linear``) where vLLM's invariant mode calls its
   own GEMM, which runs one fixed 128x128 tile for every row count, so a decode step's skinny
   matmuls use a fraction of each tile and, for narrow weights, a fraction of the SMs;
+- the RMSNorms (``mok_serve.kernels.invariant_rms_norm``, the residual add fused) where vLLM's
+  invariant mode calls its own: its residual path runs vLLM's CUDA ``fused_add_rms_norm``, whose
+  thread block (so its sum order) changes at 256 rows for hidden sizes above 2048, which is not
+  batch invariant, and it is unfused (2 launches where Inductor fuses one);
 - the paged attention of vLLM's Triton attention backend (``mok_serve.kernels.invariant_attention``):
   vLLM's invariant mode runs its single-pass kernel, one program per query block and KV head (4
   programs for a Qwen3-30B-A3B decode step alone); kittens' cuts the keys into segments at fixed
@@ -24,7 +28,7 @@ import vllm.envs as envs
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 
-from mok_serve.kernels import invariant_attention, invariant_linear
+from mok_serve.kernels import invariant_attention, invariant_linear, invariant_rms_norm
 
 logger = init_logger("vllm.mok_serve")
 
@@ -35,6 +39,7 @@ LINEAR_CALLERS = (
     "vllm.model_executor.layers.linear",
     "vllm.model_executor.layers.vocab_parallel_embedding",
 )
+NORM_CALLER = "vllm.model_executor.layers.layernorm"
 ATTENTION_CALLER = "vllm.v1.attention.backends.triton_attn"
 
 _installed = False
@@ -46,6 +51,13 @@ def kittens_linear_batch_invariant(input, weight, bias=None):
     if bias is not None:
         bias = bias.expand(weight.shape[0])
     return invariant_linear(input, weight, bias)
+
+
+def kittens_rms_norm_batch_invariant(input, weight, eps=1e-6, residual=None):
+    """vLLM's ``rms_norm_batch_invariant`` contract: the normalized ``input``, or with a residual
+    ``(normalized input + residual, input + residual)``, through ``invariant_rms_norm``."""
+    y, z = invariant_rms_norm(input, weight, eps, residual)
+    return y if residual is None else (y, z)
 
 
 def kittens_unified_attention(vllm_kernel, max_model_len: int):
@@ -100,6 +112,10 @@ def install() -> bool:
         if not hasattr(module, "linear_batch_invariant"):
             raise RuntimeError(f"kittens: {name} has no linear_batch_invariant (vLLM version not supported)")
         module.linear_batch_invariant = kittens_linear_batch_invariant
+    norm = importlib.import_module(NORM_CALLER)
+    if not hasattr(norm, "rms_norm_batch_invariant"):
+        raise RuntimeError(f"kittens: {NORM_CALLER} has no rms_norm_batch_invariant (vLLM version not supported)")
+    norm.rms_norm_batch_invariant = kittens_rms_norm_batch_invariant
     attention = importlib.import_module(ATTENTION_CALLER)
     if not hasattr(attention, "unified_attention"):
         raise RuntimeError(f"kittens: {ATTENTION_CALLER} has no unified_attention (vLLM version not supported)")
@@ -107,6 +123,6 @@ def install() -> bool:
     max_model_len = config.model_config.max_model_len if config is not None and config.model_config else 0
     attention.unified_attention = kittens_unified_attention(attention.unified_attention, max_model_len)
     _installed = True
-    logger.info_once("kittens: deterministic serving: dense layers and Triton paged attention run mok-serve's "
-                     "batch-invariant kernels")
+    logger.info_once("kittens: deterministic serving: dense layers, RMSNorms and Triton paged attention run "
+                     "mok-serve's batch-invariant kernels")
     return True

@@ -101,4 +101,4 @@ def test_the_probe_tells_a_default_server_apart(servers, family):
 def test_kittens_kernels_are_in_place(servers, family):
     started, _, _ = servers
     log = started[(family, "deterministic")].log()
-    assert "dense layers and Triton paged attention run mok-serve's batch-invariant kernels" in log
+    assert "dense layers, RMSNorms and Triton paged attention run mok-serve's batch-invariant kernels" in log

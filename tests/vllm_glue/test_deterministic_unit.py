@@ -19,15 +19,32 @@ def test_install_puts_kittens_linear_where_vllm_calls_its_own(monkeypatch):
     monkeypatch.setattr(deterministic, "wanted", lambda: True)
     monkeypatch.setattr(deterministic, "_installed", False)
     modules = [importlib.import_module(name) for name in deterministic.LINEAR_CALLERS]
-    for m in modules:
-        monkeypatch.setattr(m, "linear_batch_invariant", m.linear_batch_invariant)  # restored after the test
+    norm = importlib.import_module(deterministic.NORM_CALLER)
+    attention = importlib.import_module(deterministic.ATTENTION_CALLER)
+    for m in modules:  # restored after the test
+        monkeypatch.setattr(m, "linear_batch_invariant", m.linear_batch_invariant)
+    monkeypatch.setattr(norm, "rms_norm_batch_invariant", norm.rms_norm_batch_invariant)
+    monkeypatch.setattr(attention, "unified_attention", attention.unified_attention)
+    vllm_attention = attention.unified_attention
     assert deterministic.install()
     assert all(m.linear_batch_invariant is deterministic.kittens_linear_batch_invariant for m in modules)
+    assert norm.rms_norm_batch_invariant is deterministic.kittens_rms_norm_batch_invariant
+    assert attention.unified_attention.vllm_kernel is vllm_attention
     # vLLM's contract: weight [N, K], a bias broadcastable to [N].
     x, w = torch.randn(3, 5, 64), torch.randn(7, 64)
     out = deterministic.kittens_linear_batch_invariant(x, w, torch.tensor([0.5]))
     assert out.shape == (3, 5, 7)
     assert torch.allclose(out, x @ w.t() + 0.5, atol=1e-4)
+
+
+def test_rms_norm_stand_in_keeps_vllms_contract():
+    x, r, w = torch.randn(5, 3, 32), torch.randn(5, 3, 32), torch.rand(32) + 0.5
+    y = deterministic.kittens_rms_norm_batch_invariant(x, w, 1e-6)
+    assert isinstance(y, torch.Tensor) and y.shape == x.shape
+    y2, z2 = deterministic.kittens_rms_norm_batch_invariant(x, w, 1e-6, residual=r)
+    assert torch.equal(z2, x + r)
+    zd = (x + r).double()
+    assert torch.allclose(y2.double(), zd * torch.rsqrt((zd * zd).mean(-1, keepdim=True) + 1e-6) * w.double(), atol=1e-5)
 
 
 def test_nothing_changes_outside_batch_invariant_mode_or_off_cuda(monkeypatch):
