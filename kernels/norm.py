@@ -1,9 +1,9 @@
 """Batch-invariant RMSNorm with the residual add fused: a row's bits never depend on the other rows.
 
 vLLM's batch-invariant mode normalizes with a Triton kernel and, for the residual add, with its
-CUDA ``fused_add_rms_norm``, whose thread block is 1024 wide below 256 rows and 256 wide above: a
-row longer than 8 x 256 columns (hidden 4096 or 7168) is then summed in another order when the
-step holds more rows, so a token's bits change with the batch. Here one function, whatever the
+CUDA ``fused_add_rms_norm``, whose thread block (as its public source reads) is 1024 wide below 256
+rows and 256 wide above: a row longer than 8 x 256 columns (hidden 4096 or 7168) is then summed in
+another order when the step holds more rows, so a token's bits change with the batch. Here one function, whatever the
 row count:
 
     z = round(x + residual)                       (the new residual; z = x without one)

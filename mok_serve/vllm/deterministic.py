@@ -10,8 +10,8 @@ which need no invariant fallback, and puts two kittens kernels where that mode i
   matmuls use a fraction of each tile and, for narrow weights, a fraction of the SMs;
 - the RMSNorms (``mok_serve.kernels.invariant_rms_norm``, the residual add fused) where vLLM's
   invariant mode calls its own: its residual path runs vLLM's CUDA ``fused_add_rms_norm``, whose
-  thread block (so its sum order) changes at 256 rows for hidden sizes above 2048, which is not
-  batch invariant, and it is unfused (2 launches where Inductor fuses one);
+  thread block (so its sum order) changes at 256 rows for hidden sizes above 2048 as its public
+  source reads, which is not batch invariant, and it is unfused (2 launches where Inductor fuses one);
 - the paged attention of vLLM's Triton attention backend (``mok_serve.kernels.invariant_attention``):
   vLLM's invariant mode runs its single-pass kernel, one program per query block and KV head (4
   programs for a Qwen3-30B-A3B decode step alone); kittens' cuts the keys into segments at fixed
