@@ -102,3 +102,16 @@ def test_kittens_kernels_are_in_place(servers, family):
     started, _, _ = servers
     log = started[(family, "deterministic")].log()
     assert "dense layers, RMSNorms and Triton paged attention run mok-serve's batch-invariant kernels" in log
+
+
+@pytest.mark.parametrize("name", [n for n in SERVERS if n.startswith("deterministic")])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_no_invariant_kernel_compiles_while_serving(servers, family, name):
+    """After the probes (runs after them in this module's order): vLLM's JIT monitor saw no compile
+    of kittens' invariant kernels after its warm-up (CUDA-graph capture and the profile run compile
+    every variant the shapes of a step select)."""
+    probe(servers, family, name)
+    started, _, _ = servers
+    late = [line for line in started[(family, name)].log().splitlines() if "JIT compilation during inference" in line
+            and any(k in line for k in ("_linear_", "_attention_", "_rms_norm_kernel", "_moe_", "_fp8_"))]
+    assert not late, late
