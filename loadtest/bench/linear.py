@@ -11,6 +11,10 @@ rows bitwise equal alone and in the batch. Times are medians of CUDA-graph repla
 flushed before each (``harness.graph_time``); the floor is max(FLOPs / 790 TFLOP/s, bytes / 4.4
 TB/s), bytes = weight + input + output once. Results: ``linear_bench.{json,md}`` in ``--out``,
 rows appended to ``history.csv`` (benchmark ``linear_bench``).
+
+``--sweep`` times kittens' tile variants (``SWEEP``: the same function, so each is checked bit for
+bit against the default first) at ``--points MODEL:LAYER:ROWS``, ``--sweep-repeats`` times
+interleaved: ``linear_sweep.{json,md}`` (benchmark ``linear_sweep`` in ``history.csv``).
 """
 
 from __future__ import annotations
@@ -41,6 +45,76 @@ DENSE_LAYERS = {
                     "o_proj": (7168, 16384), "shared_gate_up": (4096, 7168), "shared_down": (7168, 2048),
                     "router": (256, 7168), "lm_head": (129280, 7168)},
 }
+
+
+# Tile variants of the sweep: label -> (config overrides of pick_linear_config's, split override).
+SWEEP = {
+    "default": ({}, None),
+    "no split": ({}, False),
+    "split": ({}, True),
+    "64x128 s4 w4": (dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_stages=4, num_warps=4, SWAP_AB=False, GROUP_M=8), None),
+    "128x128 s3 w8": (dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=3, num_warps=8, SWAP_AB=False, GROUP_M=8), None),
+    "128x128 s4 w8": (dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=4, num_warps=8, SWAP_AB=False, GROUP_M=8), None),
+    "128x256 s3 w8": (dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_stages=3, num_warps=8, SWAP_AB=False, GROUP_M=8), None),
+    "128x128 k128 s3 w8": (dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_stages=3, num_warps=8, SWAP_AB=False, GROUP_M=8), None),
+    "swap 64x64 s4": (dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_stages=4, num_warps=4, SWAP_AB=True, GROUP_M=1), None),
+    "swap 16x128 s4": (dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_stages=4, num_warps=4, SWAP_AB=True, GROUP_M=1), None),
+}
+
+
+def parse_point(text: str) -> tuple[str, str, int]:
+    """``MODEL:LAYER:ROWS`` -> (model, layer, rows), checked against DENSE_LAYERS."""
+    try:
+        model, layer, rows = text.split(":")
+        rows_n = int(rows)
+    except ValueError:
+        raise ValueError(f"point {text!r}: MODEL:LAYER:ROWS") from None
+    if layer not in DENSE_LAYERS.get(model, {}) or rows_n < 1:
+        raise ValueError(f"point {text!r}: unknown model or layer, or rows < 1 (known: "
+                         + ", ".join(f"{m}:{l}" for m in DENSE_LAYERS for l in DENSE_LAYERS[m]) + ")")
+    return model, layer, rows_n
+
+
+def sweep(points, labels, repeats: int, gen) -> list[dict]:
+    """Each label's median replay time per point and repeat, variants interleaved; a variant whose
+    output differs from the default's bits is recorded as such and not timed."""
+    from mok_serve.kernels.cuda.configs import pick_linear_config
+    from mok_serve.kernels.cuda.linear import invariant_linear_triton
+
+    out = []
+    for model, layer, rows in points:
+        n, k = DENSE_LAYERS[model][layer]
+        w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(torch.bfloat16)
+        x = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
+        default = invariant_linear_triton(x, w)
+        calls = {}
+        for label in labels:
+            overrides, split = SWEEP[label]
+            cfg = dict(pick_linear_config(rows, n, k), **overrides) if overrides else None
+            fn = lambda cfg=cfg, split=split: invariant_linear_triton(x, w, config=cfg, split=split)  # noqa: E731
+            same = bool(torch.equal(fn(), default))
+            out.append(dict(model=model, layer=layer, n=n, k=k, rows=rows, label=label, same_bits=same,
+                            floor_ms=floor_ms(rows, n, k), times_ms=[]))
+            if same:
+                calls[label] = (fn, out[-1])
+        for _ in range(repeats):
+            for label, (fn, rec) in calls.items():
+                rec["times_ms"].append(graph_time(fn)[0])
+        for _, rec in calls.values():
+            rec["median_ms"] = sorted(rec["times_ms"])[len(rec["times_ms"]) // 2]
+    return out
+
+
+def sweep_markdown(meta: dict, results: list[dict]) -> str:
+    lines = [f"# Invariant GEMM tile sweep ({meta['gpu']}, commit {meta['commit']})", "", meta["timing"], "",
+             "| model | layer | rows | variant | median us | x floor | same bits |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        t = r.get("median_ms")
+        time_us = "-" if t is None else f"{t * 1e3:.1f}"
+        x_floor = "-" if t is None else f"{t / r['floor_ms']:.2f}"
+        same = "yes" if r["same_bits"] else "**NO**"
+        lines.append(f"| {r['model']} | {r['layer']} | {r['rows']} | {r['label']} | {time_us} | {x_floor} | {same} |")
+    return "\n".join(lines) + "\n"
 
 
 def floor_ms(rows: int, n: int, k: int, elem_bytes: int = 2) -> float:
@@ -124,8 +198,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts (tokens per step)")
     p.add_argument("--out", default=str(RESULTS), help="folder for linear_bench.{json,md}")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--sweep", action="store_true", help="time kittens' tile variants (SWEEP) at --points instead")
+    p.add_argument("--points", nargs="*", default=None, metavar="MODEL:LAYER:ROWS", help="the sweep's points")
+    p.add_argument("--sweep-labels", nargs="*", default=None, metavar="LABEL",
+                   help="variants to time (default: all): " + ", ".join(SWEEP))
+    p.add_argument("--sweep-repeats", type=int, default=3, help="interleaved repeats of the sweep")
     history.add_arguments(p)
     args = p.parse_args(argv)
+    if args.sweep:
+        try:
+            points = [parse_point(t) for t in args.points or []]
+        except ValueError as exc:
+            p.error(str(exc))
+        labels = args.sweep_labels or list(SWEEP)
+        if not points or set(labels) - set(SWEEP) or args.sweep_repeats < 1:
+            p.error("--sweep needs --points, known --sweep-labels and --sweep-repeats >= 1")
     models = [m for m in args.models.split(",") if m]
     unknown = set(models) - set(DENSE_LAYERS)
     if unknown:
@@ -151,13 +238,25 @@ def main(argv: list[str] | None = None) -> int:
                 timing="Median of CUDA-graph replays, L2 flushed before each (triton.testing.do_bench); bf16 weights "
                 "and inputs, no bias; `vs X`: X's time / kittens' time.")
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.sweep:
+        results = sweep(points, labels, args.sweep_repeats, gen)
+        (out / "linear_sweep.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+        text = sweep_markdown(meta, results)
+        (out / "linear_sweep.md").write_text(text)
+        history.write([dict(date=meta["date"][:19], commit=meta["commit"], benchmark="linear_sweep", gpu=meta["gpu"],
+                            versions=f"torch={meta['torch']} triton={meta['triton']}", shape=f"{r['model']}:{r['layer']}",
+                            tokens_or_load=r["rows"], routing="", config=f"variant={r['label']} repeat={i}",
+                            provider="kittens", metric="time_ms", value=t, unit="ms", source="")
+                       for r in results for i, t in enumerate(r["times_ms"])], history.resolve(args), "mok-loadtest linear")
+        print(text)
+        return 0 if all(r["same_bits"] for r in results) else 1
     points = [(m, layer, n, k, r) for m in models for layer, (n, k) in DENSE_LAYERS[m].items() for r in row_counts]
     rows = []
     for m, layer, n, k, r in tqdm(points, desc="dense layers", unit="point"):
         rows.append(measure(m, layer, n, k, r, impls, gen))
         torch.cuda.empty_cache()
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "linear_bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     text = markdown(meta, rows, names)
     (out / "linear_bench.md").write_text(text)

@@ -1,5 +1,5 @@
-"""mok-loadtest step-profile and linear without a GPU: kernel kinds, the decode-step difference, the
-tables."""
+"""The deterministic-serving benchmarks without a GPU: step-profile's kernel kinds and decode-step
+difference, linear's floor, tables, history rows and sweep points."""
 
 from mok_serve.loadtest.bench import linear, step_profile
 
@@ -39,3 +39,18 @@ def test_linear_bench_floor_table_and_history_rows():
     hist = linear.history_rows(meta, rows, ["kittens", "cublas"])
     assert [(h["provider"], h["metric"]) for h in hist] == [("kittens", "time_ms"), ("cublas", "time_ms"),
                                                             ("floor", "floor_ms")]
+
+
+def test_linear_sweep_points_and_table():
+    import pytest
+
+    assert linear.parse_point("Qwen3-30B-A3B:o_proj:2048") == ("Qwen3-30B-A3B", "o_proj", 2048)
+    for bad in ("Qwen3-30B-A3B:o_proj", "Qwen3-30B-A3B:nope:8", "Qwen3-30B-A3B:o_proj:0"):
+        with pytest.raises(ValueError, match="point"):
+            linear.parse_point(bad)
+    assert set(linear.SWEEP) >= {"default", "split", "no split"}
+    meta = dict(gpu="g", commit="c", timing="median")
+    results = [dict(model="m", layer="l", rows=8, label="default", same_bits=True, floor_ms=0.01, median_ms=0.02),
+               dict(model="m", layer="l", rows=8, label="x", same_bits=False, floor_ms=0.01)]
+    md = linear.sweep_markdown(meta, results)
+    assert "| m | l | 8 | default | 20.0 | 2.00 | yes |" in md and "| m | l | 8 | x | - | - | **NO** |" in md
