@@ -103,9 +103,11 @@ def _merge(M, L, O, m, l, acc):
 
 @triton.jit
 def _rows(cu_q_ptr, seq_lens_ptr, pid_q, kv_head, num_seqs, window,
-          GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HAS_WINDOW: tl.constexpr):
+          GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, SEG: tl.constexpr,
+          HAS_WINDOW: tl.constexpr):
     """The block's rows: (sequence, its KV length, token index, query head, row ok, position, first
-    visible key) of each of the BLOCK_M rows (row r: token r // GROUP of the block, head r % GROUP)."""
+    visible key) of each of the BLOCK_M rows (row r: token r // GROUP of the block, head r % GROUP),
+    and the first and last segment any of them sees (last = -1: the block has no rows)."""
     seq, q0, q_len, block = _find_block(cu_q_ptr, pid_q, num_seqs, BLOCK_Q)
     seq_len = tl.load(seq_lens_ptr + seq)
     r = tl.arange(0, BLOCK_M)
@@ -118,7 +120,20 @@ def _rows(cu_q_ptr, seq_lens_ptr, pid_q, kv_head, num_seqs, window,
         lo = tl.maximum(pos - window, 0)
     else:
         lo = tl.zeros([BLOCK_M], tl.int32)
-    return seq, seq_len, token, head, row_ok, pos, lo
+    first = tl.min(tl.where(row_ok, lo, 2**30), axis=0) // SEG
+    last = tl.max(tl.where(row_ok, pos, -SEG), axis=0) // SEG
+    return seq, seq_len, token, head, row_ok, pos, lo, first, last
+
+
+@triton.jit
+def _store_rows(out_ptr, O, L, token, head, row_ok, bad, stride_ot, stride_oh,
+                HEAD: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """``out[token, head] = O / L`` rounded once; rows marked ``bad`` NaN."""
+    offs_d = tl.arange(0, HEAD_PAD)
+    out = O / tl.where(L > 0, L, 1.0)[:, None]  # (rows past the block's tokens: never stored)
+    out = tl.where(bad[:, None], float("nan"), out)
+    tl.store(out_ptr + token.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d < HEAD)[None, :])
 
 
 @triton.jit
@@ -133,17 +148,15 @@ def _attention_kernel(
 ):
     grid_dependency(PDL)
     kv_head = tl.program_id(1)
-    seq, seq_len, token, head, row_ok, pos, lo = _rows(cu_q_ptr, seq_lens_ptr, tl.program_id(0), kv_head, num_seqs,
-                                                       window, GROUP, BLOCK_Q, BLOCK_M, HAS_WINDOW)
-    if tl.max(row_ok.to(tl.int32), axis=0) == 0:
+    seq, seq_len, token, head, row_ok, pos, lo, first, last = _rows(
+        cu_q_ptr, seq_lens_ptr, tl.program_id(0), kv_head, num_seqs, window, GROUP, BLOCK_Q, BLOCK_M, SEG, HAS_WINDOW)
+    if last < 0:
         return
     offs_d = tl.arange(0, HEAD_PAD)
     d_ok = offs_d < HEAD
     q = tl.load(q_ptr + token.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
-    first = tl.min(tl.where(row_ok, lo, 2**30), axis=0) // SEG
-    last = tl.max(tl.where(row_ok, pos, -1), axis=0) // SEG
     if SPLIT:
         # Program j of axis 2 computes the segments s = j (mod its size), each kept apart: the
         # merge kernel merges them all in order. Segments past the workspace (a KV length above
@@ -167,9 +180,7 @@ def _attention_kernel(
                                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                                  PAGE, HEAD, HEAD_PAD, BLOCK_M, SEG, TILE_K, DOT_F32)
             M, L, O = _merge(M, L, O, m, l, acc)
-        out = O / tl.where(L > 0, L, 1.0)[:, None]  # (rows past the block's tokens: never stored)
-        tl.store(out_ptr + token.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        _store_rows(out_ptr, O, L, token, head, row_ok, row_ok & False, stride_ot, stride_oh, HEAD, HEAD_PAD)
 
 
 @triton.jit
@@ -183,14 +194,11 @@ def _attention_merge_kernel(
     merges them in one program."""
     grid_dependency(PDL)
     kv_head = tl.program_id(1)
-    seq, seq_len, token, head, row_ok, pos, lo = _rows(cu_q_ptr, seq_lens_ptr, tl.program_id(0), kv_head, num_seqs,
-                                                       window, GROUP, BLOCK_Q, BLOCK_M, HAS_WINDOW)
-    if tl.max(row_ok.to(tl.int32), axis=0) == 0:
+    seq, seq_len, token, head, row_ok, pos, lo, first, last = _rows(
+        cu_q_ptr, seq_lens_ptr, tl.program_id(0), kv_head, num_seqs, window, GROUP, BLOCK_Q, BLOCK_M, SEG, HAS_WINDOW)
+    if last < 0:
         return
     offs_d = tl.arange(0, HEAD_PAD)
-    d_ok = offs_d < HEAD
-    first = tl.min(tl.where(row_ok, lo, 2**30), axis=0) // SEG
-    last = tl.max(tl.where(row_ok, pos, -1), axis=0) // SEG
     M = tl.full([BLOCK_M], float("-inf"), tl.float32)
     L = tl.zeros([BLOCK_M], tl.float32)
     O = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
@@ -203,10 +211,8 @@ def _attention_merge_kernel(
         l = tl.load(ml_ptr + cell * 2 + 1, mask=sees, other=0.0)
         acc = tl.load(part_ptr + cell[:, None] * HEAD_PAD + offs_d[None, :], mask=sees[:, None], other=0.0)
         M, L, O = _merge(M, L, O, m, l, acc)
-    out = O / tl.where(L > 0, L, 1.0)[:, None]
-    out = tl.where((pos // SEG < max_segs)[:, None], out, float("nan"))  # KV longer than the bound: poisoned
-    tl.store(out_ptr + token.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    # A KV length past the bound: segments the workspace could not hold, so the row is poisoned.
+    _store_rows(out_ptr, O, L, token, head, row_ok, pos // SEG >= max_segs, stride_ot, stride_oh, HEAD, HEAD_PAD)
 
 
 # Split segments over programs while the call has fewer (query block, KV head) programs than this,

@@ -7,51 +7,13 @@ launch would specialize them, in a subprocess (the conftest puts Triton in inter
 machines), registers and spills from ``ptxas -v``.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+from sm90_compile import compile_for_sm90
 
 pytest.importorskip("triton")
 
-SCRIPT = r"""
-import json, os, subprocess, sys
-os.environ.pop("TRITON_INTERPRET", None)
-import triton, triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
-from triton.compiler import ASTSource
+BODY = r"""
 from mok_serve.kernels.cuda import moe as tm
-
-ptr = lambda t: "*" + t
-results = {}
-
-def build(name, fn, types, ints, consts, num_warps, num_stages):
-    sig, attrs, consts = {}, {}, dict(consts)
-    for i, a in enumerate(fn.arg_names):
-        if a in consts:
-            sig[a] = "constexpr"
-        elif a in types:
-            sig[a] = types[a]
-            attrs[(i,)] = [["tt.divisibility", 16]] if types[a].startswith("*") else []
-        elif ints[a] == 1:
-            consts[a], sig[a] = 1, "constexpr"
-        else:
-            sig[a] = "i32"
-            if ints[a] % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
-    path = f"{sys.argv[1]}/{name}.ptx"
-    with open(path, "w") as f:
-        f.write(k.asm["ptx"])
-    log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o", os.devnull],
-                         capture_output=True, text=True, check=True).stderr
-    ptx = k.asm["ptx"]
-    results[name] = dict(shared=k.metadata.shared, ptxas=log, bf16_wgmma="f32.bf16.bf16" in ptx,
-                         mma_sync="mma.sync" in ptx)
 
 def common(g):
     keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "USE_TMA")
@@ -96,19 +58,12 @@ for shape, H, I, E, K in (("ds", 7168, 2048, 256, 8), ("qwen30", 2048, 768, 128,
                        NARROW_N2=narrow_n2, GROUP_M1=g1.get("GROUP_M", 1), GROUP_M2=g2.get("GROUP_M", 1),
                        HEAVY_M=heavy, HEAVY_STAGES1=g1.get("HEAVY_STAGES", 2), HEAVY_STAGES2=g2.get("HEAVY_STAGES", 2)),
                   g1["num_warps"], g1["num_stages"])
-print(json.dumps(results))
 """
 
 
 @pytest.mark.timeout(900)
 def test_gemms_compile_for_sm90_with_bf16_wgmma_in_every_regime(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True, env=env)
-    if proc.returncode and "get_ptxas" in proc.stderr and "ImportError" in proc.stderr:
-        pytest.skip("this Triton has no get_ptxas")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = compile_for_sm90(BODY, tmp_path)
     # Two GEMMs at five token counts for two shapes, and the one-launch decode kernel at 1, 2 and 128 tokens,
     # also with its timeline records and with 16-row tiles only.
     assert len(results) == 38

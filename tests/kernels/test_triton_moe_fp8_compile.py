@@ -9,53 +9,15 @@ Triton into interpreter mode on CPU-only machines. The GPU machine's Triton (3.6
 differently from the one here; this catches type errors, spills and lost wgmma early.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+from sm90_compile import compile_for_sm90
 
 pytest.importorskip("triton")
 
-SCRIPT = r"""
-import json, os, subprocess, sys
-os.environ.pop("TRITON_INTERPRET", None)
-import triton, triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
-from triton.compiler import ASTSource
+BODY = r"""
 from mok_serve.kernels.cuda import moe_fp8 as tf
 
 H, I, E, K = 7168, 2048, 256, 8
-ptr = lambda t: "*" + t
-results = {}
-
-def build(name, fn, types, ints, consts, num_warps, num_stages):
-    sig, attrs, consts = {}, {}, dict(consts)
-    for i, a in enumerate(fn.arg_names):
-        if a in consts:
-            sig[a] = "constexpr"
-        elif a in types:
-            sig[a] = types[a]
-            attrs[(i,)] = [["tt.divisibility", 16]] if types[a].startswith("*") else []
-        elif ints[a] == 1:
-            consts[a], sig[a] = 1, "constexpr"
-        else:
-            sig[a] = "i32"
-            if ints[a] % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
-    path = f"{sys.argv[1]}/{name}.ptx"
-    with open(path, "w") as f:
-        f.write(k.asm["ptx"])
-    log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o", os.devnull],
-                         capture_output=True, text=True, check=True).stderr
-    ptx = k.asm["ptx"]
-    results[name] = dict(shared=k.metadata.shared, fp8_wgmma="f32.e4m3.e4m3" in ptx, ptxas=log,
-                         grid_dependency="griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx)
-
 for tokens in (1, 512, 1024, 4096):
     g1, g2 = tf.pick_configs_fp8(tokens, K, E, H, I)
     # As picked (at 1 token 64-column programs, two per activation group), there also with 128 and 32.
@@ -105,19 +67,12 @@ build("schedule_quantize", tf._fp8_schedule_quantize_kernel,
       dict(num_rows=8 * 4096, num_global=E, num_local=E, stride_it=K, stride_ik=1, tokens=4096, H=H,
            stride_xt=H, stride_xh=1, num_tickets=1000),
       dict(TOPK=K, HAS_MAP=True, BLOCK=4096, QROWS=32, RNE_FIX=False, PDL=True), 8, 1)
-print(json.dumps(results))
 """
 
 
 @pytest.mark.timeout(600)
 def test_kernels_compile_for_sm90_with_fp8_wgmma_and_no_spills(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True, env=env)
-    if proc.returncode and "get_ptxas" in proc.stderr and "ImportError" in proc.stderr:
-        pytest.skip("this Triton has no get_ptxas")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = compile_for_sm90(BODY, tmp_path)
     for name, r in results.items():
         print(name, r["shared"], r["ptxas"].strip().splitlines()[-2:])
         assert "0 bytes spill stores, 0 bytes spill loads" in r["ptxas"], (name, r["ptxas"])
