@@ -13,6 +13,7 @@ knob                 variable                    default   meaning
 ``ep_return_mode``   ``MOK_EP_RETURN``           ``pull``  EP (CUDA): how expert outputs come back
 ``ep_pull_in_gemm1`` ``MOK_EP_PULL_IN_GEMM1``    ``0``     EP (CUDA): GEMM1 pulls its token rows
 ``ep_sync_check``    ``MOK_EP_SYNC_CHECK``       ``0``     EP: check id values on the host (syncs)
+``ep_node_size``     ``MOK_EP_NODE_SIZE``        ``0``     EP: ranks per node (0: ranks on one host)
 ``cpu_isa``          ``MOK_SERVE_CPU_ISA``       ``auto``  C++ kernel's instruction set
 ===================  ==========================  ========  ============================================
 """
@@ -35,6 +36,7 @@ KNOBS = {
     "ep_return_mode": ("MOK_EP_RETURN", "pull", str),
     "ep_pull_in_gemm1": ("MOK_EP_PULL_IN_GEMM1", "0", _flag),
     "ep_sync_check": ("MOK_EP_SYNC_CHECK", "0", _flag),
+    "ep_node_size": ("MOK_EP_NODE_SIZE", "0", int),
     "cpu_isa": ("MOK_SERVE_CPU_ISA", "auto", lambda v: v or "auto"),
 }
 

@@ -9,7 +9,16 @@ symmetric memory and NVLink, Triton kernels, no host synchronisation). Under ten
 without data parallelism every rank holds the same tokens, so the workspace runs in its
 replicated-tokens mode. The workspace is made at the first MoE call (vLLM's profiling run,
 before any CUDA graph is captured) and serves every layer.
+
+One node only: every rank of the EP group must map every other rank's memory. A layout whose EP
+group spans several nodes is refused at start-up with a message saying what to run instead: from
+vLLM's parallel config in the API server (data parallel ranks on other nodes, a DP replica across
+nodes), and again when the workspace is made, from the ranks' host names (any launcher), or from
+``MOK_EP_NODE_SIZE`` (ranks per node, to test a multi-node layout on one host).
 """
+
+import socket
+
 
 import torch
 from vllm.config.kernel import PASSTHROUGH_ALL2ALL_BACKEND
@@ -19,6 +28,7 @@ from vllm.logger import init_logger
 from vllm.platforms import current_platform
 
 from mok_serve.kernels.cpu.ep import ExpertPlacement, SharedMemoryEPWorkspace
+from mok_serve.kernels.env import knob
 from mok_serve.vllm import KITTENS, timing
 
 logger = init_logger("vllm.mok_serve")
@@ -30,6 +40,37 @@ def kittens_owns_dispatch(parallel_config) -> bool:
     ranks = parallel_config.tensor_parallel_size * parallel_config.data_parallel_size
     on_supported_device = current_platform.is_cpu() or current_platform.is_cuda()
     return on_supported_device and parallel_config.enable_expert_parallel and ranks > 1
+
+
+def ep_nodes_from_config(parallel_config) -> int:
+    """How many nodes vLLM's parallel config puts the EP group on (1 where it says nothing more):
+    data parallel ranks spread over ``data_parallel_size / data_parallel_size_local`` node groups,
+    and each DP replica over ``nnodes_within_dp`` nodes. With an external load balancer every DP
+    rank is launched alone (one local rank, wherever it runs): the host check decides there."""
+    dp, dp_local = parallel_config.data_parallel_size, parallel_config.data_parallel_size_local
+    external = getattr(parallel_config, "data_parallel_external_lb", False)
+    dp_node_groups = dp // dp_local if dp > 1 and 0 < dp_local < dp and not external else 1
+    return dp_node_groups * max(1, parallel_config.nnodes_within_dp)
+
+
+def multi_node_error(nodes: int, ranks: int, how: str) -> str:
+    return (
+        f"--moe-backend kittens runs expert parallelism inside one node (every EP rank maps every other "
+        f"rank's memory), but this EP group of {ranks} ranks spans {nodes} nodes ({how}). Keep the EP group "
+        f"on one node (expert parallelism over one node's GPUs, data parallelism without EP across nodes), "
+        f"or serve with --moe-backend auto for vLLM's all-to-all across nodes."
+    )
+
+
+def check_one_node(hosts: list[str], node_size: int = 0) -> None:
+    """Raise ``RuntimeError`` (``multi_node_error``) unless the EP ranks, whose host names are
+    ``hosts`` in rank order, share one node: one host, and at most ``node_size`` ranks where that is
+    set (``MOK_EP_NODE_SIZE``: ranks per node, a multi-node layout simulated on one host)."""
+    ranks = len(hosts)
+    if len(set(hosts)) > 1:
+        raise RuntimeError(multi_node_error(len(set(hosts)), ranks, "hosts " + ", ".join(sorted(set(hosts)))))
+    if node_size and ranks > node_size:
+        raise RuntimeError(multi_node_error(-(-ranks // node_size), ranks, f"MOK_EP_NODE_SIZE={node_size}"))
 
 
 def bind_all2all_backend(moe_backend: str, parallel_config, stock_bind) -> None:
@@ -48,6 +89,12 @@ def bind_all2all_backend(moe_backend: str, parallel_config, stock_bind) -> None:
     if parallel_config.enable_eplb:
         # The placement is exchanged once, at the first call; EPLB moves experts at run time.
         raise ValueError("--moe-backend kittens does not support --enable-eplb yet")
+    nodes = ep_nodes_from_config(parallel_config)
+    if nodes > 1:
+        ranks = parallel_config.tensor_parallel_size * parallel_config.data_parallel_size
+        raise ValueError(multi_node_error(
+            nodes, ranks, f"--data-parallel-size {parallel_config.data_parallel_size} with "
+            f"{parallel_config.data_parallel_size_local} local, --nnodes {parallel_config.nnodes}"))
     parallel_config.all2all_backend = PASSTHROUGH_ALL2ALL_BACKEND
 
 
@@ -70,6 +117,9 @@ def _workspace(hidden_states, topk_ids, expert_map, quant: str | None = None):
     ws = _Workspace.instance
     if ws is None:
         group = get_ep_group()
+        hosts = [None] * group.world_size
+        torch.distributed.all_gather_object(hosts, socket.gethostname(), group=group.cpu_group)
+        check_one_node(hosts, knob("ep_node_size"))
         maps = [torch.empty_like(expert_map, device="cpu") for _ in range(group.world_size)]
         torch.distributed.all_gather(maps, expert_map.cpu().contiguous(), group=group.cpu_group)
         extra = {}

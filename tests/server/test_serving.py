@@ -103,6 +103,17 @@ def test_data_parallel_2_expert_parallel_equals_tp1(kittens_server):
             assert f"kittens EP: rank {rank} of 2 dispatches and combines over shared memory (per-rank tokens)" in log
 
 
+def test_an_ep_group_across_nodes_is_refused_at_start_up():
+    """Two ranks as two simulated nodes (MOK_EP_NODE_SIZE=1): the engine stops at its first MoE call
+    (vLLM's profiling run) with the message, instead of hanging in the workspace's rendezvous."""
+    server = ServerProcess(["--tensor-parallel-size", "2", "--enable-expert-parallel", *COMMON],
+                           env={"MOK_EP_NODE_SIZE": "1"}, startup_timeout=300)
+    with pytest.raises(ServerError):
+        server.start()
+    assert "EP group of 2 ranks spans 2 nodes (MOK_EP_NODE_SIZE=1)" in server.log()
+    assert "--moe-backend auto" in server.log()
+
+
 SUPPORTED_MESSAGE = (
     r"kittens runs unquantized MoE layers \(bfloat16, float16 or float32 expert weights\) and "
     r"block-FP8 checkpoints \(quant_method 'fp8', weight_block_size \[128, 128\]"

@@ -228,3 +228,32 @@ def test_every_moe_method_zeroes_the_dummy_routing_bias():
     plain = torch.nn.Parameter(torch.empty(8))
     initialize_single_dummy_weight(plain)
     assert plain.abs().max() > 0  # without the mark: vLLM's +-1e-3 noise
+
+
+def test_ep_across_nodes_is_refused_at_start_up_with_what_to_run_instead():
+    from types import SimpleNamespace
+
+    from mok_serve.vllm import expert_parallel as ep
+
+    def config(dp=1, dp_local=1, nnodes_within_dp=1, tp=1, external_lb=False):
+        return SimpleNamespace(data_parallel_size=dp, data_parallel_size_local=dp_local, nnodes=nnodes_within_dp,
+                               nnodes_within_dp=nnodes_within_dp, tensor_parallel_size=tp, enable_expert_parallel=True,
+                               enable_eplb=False, all2all_backend=ep.DEFAULT_ALL2ALL,
+                               data_parallel_external_lb=external_lb)
+
+    assert ep.ep_nodes_from_config(config(dp=8, dp_local=8)) == 1
+    assert ep.ep_nodes_from_config(config(dp=16, dp_local=8)) == 2
+    assert ep.ep_nodes_from_config(config(dp=2, dp_local=1, nnodes_within_dp=2, tp=8)) == 4
+    assert ep.ep_nodes_from_config(config(tp=16, nnodes_within_dp=2)) == 2
+    assert ep.ep_nodes_from_config(config(dp=8, dp_local=1, external_lb=True)) == 1  # the host check decides
+    one = config(dp=2, dp_local=2, tp=2)
+    ep.bind_all2all_backend("kittens", one, stock_bind=None)
+    assert one.all2all_backend == "passthrough"
+    with pytest.raises(ValueError, match=r"EP group of 32 ranks spans 4 nodes .*--moe-backend auto"):
+        ep.bind_all2all_backend("kittens", config(dp=16, dp_local=4, tp=2), stock_bind=None)
+    ep.check_one_node(["a", "a", "a", "a"])
+    ep.check_one_node(["a", "a"], node_size=2)
+    with pytest.raises(RuntimeError, match="spans 2 nodes \\(hosts a, b\\)"):
+        ep.check_one_node(["a", "a", "b", "b"])
+    with pytest.raises(RuntimeError, match=r"4 ranks spans 2 nodes \(MOK_EP_NODE_SIZE=2\)"):
+        ep.check_one_node(["a"] * 4, node_size=2)
