@@ -54,3 +54,20 @@ def test_linear_sweep_points_and_table():
                dict(model="m", layer="l", rows=8, label="x", same_bits=False, floor_ms=0.01)]
     md = linear.sweep_markdown(meta, results)
     assert "| m | l | 8 | default | 20.0 | 2.00 | yes |" in md and "| m | l | 8 | x | - | - | **NO** |" in md
+
+
+def test_multinode_ep_model_counts_are_consistent():
+    import numpy as np
+
+    from mok_serve.loadtest.bench import ep_multinode_model as m
+
+    ids = m.sample_routing(500, np.random.default_rng(1))
+    groups = ids // (m.EXPERTS // m.GROUPS)
+    assert ids.shape == (500, m.TOP_K) and all(len(set(g)) <= m.TOPK_GROUPS for g in groups)
+    assert all(len(set(row)) == m.TOP_K for row in ids)
+    two, four = m.traffic(2, samples=3000), m.traffic(4, samples=3000)
+    assert 0.9 < two["remote_nodes"] <= 1 and 0 < two["remote_k"] < m.TOP_K  # DeepSeek's groups reach the other node
+    assert two["remote_k"] < four["remote_k"] and four["remote_nodes"] <= 3
+    row = m.layer(2, 128)
+    assert row["rdma_combine_k_mb"] > row["rdma_combine_node_mb"]  # per-(token, k) returns cost more bytes
+    assert "| 16 (2 x 8) | 128 |" in m.markdown([row])
