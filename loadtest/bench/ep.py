@@ -2,7 +2,7 @@
 baselines and the floor. Spawns one process per GPU (NCCL group, NVLink multicast off).
 
 Per model shape of ``configs/model_shapes.json``, tokens per rank and routing (uniform, or skewed:
-half of all (token, k) assignments to expert 0), in the same run:
+expert popularity falling as a power of its rank, ``harness.make_routing``), in the same run:
 
 - kittens-pull / kittens-push: ``SymmetricMemoryEPWorkspace.fused_moe`` (workspace sized to the
   row's tokens per rank), captured in a CUDA graph; and (bf16) rows in GEMM1: pull return with
@@ -62,7 +62,7 @@ import torch
 
 from .. import history
 from ..gpu_clocks import ClockSampler, clock_text
-from .harness import load_shapes
+from .harness import load_shapes, make_routing
 
 PEAK_FLOPS, PEAK_HBM, PEAK_NVLINK = 790e12, 4.4e12, 3.3e11
 TOKENS = (1, 32, 128, 512, 2048, 8192)
@@ -318,14 +318,7 @@ def run_rank(rank, world, args):
                     return out_rows
                 g2 = torch.Generator(device="cuda").manual_seed(args.seed * 7 + T * 13 + rank + (routing == "skewed"))
                 x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g2)
-                ids = torch.rand(T, E, device="cuda", generator=g2).argsort(dim=1)[:, :K]
-                if routing == "skewed":
-                    flat = ids.reshape(-1)
-                    pick = torch.randperm(flat.numel(), device="cuda", generator=g2)[: flat.numel() // 2]
-                    flat[pick] = 0
-                ids = ids.to(torch.int32)
-                tw = torch.rand(T, K, device="cuda", generator=g2)
-                tw = tw / tw.sum(-1, keepdim=True)
+                tw, ids = make_routing(T, E, K, routing, g2)
                 all_ids = ids.new_empty(world * T, K)
                 dist.all_gather_into_tensor(all_ids, ids, group=group)
                 terms = floor_terms(all_ids.cpu(), placement.owner, world, T, H, I, K, **floor_kw)

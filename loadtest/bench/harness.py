@@ -33,7 +33,7 @@ from ..gpu_clocks import ClockSampler
 PEAK_FLOPS = 790e12
 PEAK_BYTES = 4.4e12
 ROUTINGS = ("uniform", "skewed", "concentrated")
-DEFAULT_ROUTINGS = ("uniform", "skewed")  # what a run without --routing measures
+DEFAULT_ROUTINGS = ROUTINGS  # what a run without --routing measures: every routing
 
 # Relative error norm against the reference within which an output is right: bf16 experts, and FP8
 # experts (whose activation quantization adds its own rounding). NaN never passes (``passes``).
@@ -57,20 +57,31 @@ def random_experts(E, H, I, gen):
     return w13, w2
 
 
+# Skewed routing: expert popularity falls as rank ** -SKEW_EXPONENT (Zipf) over a random order.
+SKEW_EXPONENT = 1.0
+
+
 def make_routing(tokens, experts, top_k, routing, gen, device="cuda"):
-    """Top-k ``(weights [T, K] summing to 1, int32 ids [T, K])``: distinct random experts per token;
-    ``skewed``: half of all (token, k) assignments then set to expert 0 (duplicates allowed);
-    ``concentrated``: every token to the same ``top_k`` experts, in its own order (the load vLLM's
-    dummy weights gave DeepSeek-V3: every expert busy with all the tokens, or idle)."""
+    """Top-k ``(weights [T, K] summing to 1, int32 ids [T, K])``, distinct experts per token as a
+    router's top-k gives: ``uniform``, every expert as popular as any; ``skewed``, popularity falling
+    as a power of the expert's rank (``rank ** -SKEW_EXPONENT`` over a random order of the experts,
+    each token drawing its top-k without replacement by it: Gumbel top-k), the load of traffic whose
+    prompts favour some experts; ``concentrated`` (hot experts), every token to the same ``top_k``
+    experts in its own order (the load vLLM's dummy weights gave DeepSeek-V3: every expert busy with
+    all the tokens, or idle)."""
     if routing == "concentrated":
         same = torch.randperm(experts, device=device, generator=gen)[:top_k]
         ids = same[torch.rand(tokens, top_k, device=device, generator=gen).argsort(dim=1)]
-    else:
+    elif routing == "skewed":
+        order = torch.randperm(experts, device=device, generator=gen)
+        log_p = torch.empty(experts, device=device)
+        log_p[order] = -SKEW_EXPONENT * torch.log(torch.arange(1, experts + 1, device=device, dtype=torch.float32))
+        u = torch.rand(tokens, experts, device=device, generator=gen).clamp_min(1e-20)
+        ids = (log_p - torch.log(-torch.log(u))).argsort(dim=1, descending=True)[:, :top_k]
+    elif routing == "uniform":
         ids = torch.rand(tokens, experts, device=device, generator=gen).argsort(dim=1)[:, :top_k]
-    if routing == "skewed":
-        flat = ids.reshape(-1)
-        pick = torch.randperm(flat.numel(), device=device, generator=gen)[: flat.numel() // 2]
-        flat[pick] = 0
+    else:
+        raise ValueError(f"routing {routing!r}: one of {', '.join(ROUTINGS)}")
     w = torch.rand(tokens, top_k, device=device, generator=gen)
     return (w / w.sum(-1, keepdim=True)), ids.to(torch.int32)
 

@@ -1,8 +1,8 @@
 """One-GPU MoE layer benchmark: kittens (Triton fused MoE) against its baselines and the floor.
 
-For every model shape of ``configs/model_shapes.json``, token count and routing (uniform, or
-skewed: half of all (token, k) assignments to expert 0, duplicates within a token allowed; with
-``--routing concentrated``: every token to the same top-k experts), it
+For every model shape of ``configs/model_shapes.json``, token count and routing (uniform; skewed:
+expert popularity falling as a power of its rank; with ``--routing concentrated``, hot experts: every
+token to the same top-k experts; ``harness.make_routing``), it
 checks each implementation against ``fused_moe_reference`` and then times, in the same run:
 
 - kittens: ``mok_serve.kernels.fused_moe`` (4 Triton launches, no host sync);

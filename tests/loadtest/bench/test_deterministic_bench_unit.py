@@ -71,3 +71,23 @@ def test_multinode_ep_model_counts_are_consistent():
     row = m.layer(2, 128)
     assert row["rdma_combine_k_mb"] > row["rdma_combine_node_mb"]  # per-(token, k) returns cost more bytes
     assert "| 16 (2 x 8) | 128 |" in m.markdown([row])
+
+
+def test_benchmark_routings_are_a_routers_top_k():
+    import pytest
+    import torch
+
+    from mok_serve.loadtest.bench.harness import make_routing
+
+    g = torch.Generator().manual_seed(0)
+    for routing in ("uniform", "skewed", "concentrated"):
+        w, ids = make_routing(4000, 64, 8, routing, g, device="cpu")
+        assert ids.dtype == torch.int32 and ids.shape == (4000, 8) and torch.allclose(w.sum(1), torch.ones(4000))
+        assert all(len(set(row)) == 8 for row in ids.tolist())  # distinct experts per token
+    load = lambda ids: torch.bincount(ids.reshape(-1).long(), minlength=64).sort(descending=True).values  # noqa: E731
+    uniform, skewed = load(make_routing(4000, 64, 8, "uniform", g, "cpu")[1]), load(make_routing(4000, 64, 8, "skewed", g, "cpu")[1])
+    assert uniform[0] < 1.3 * uniform.float().mean()  # flat
+    assert skewed[0] > 5 * skewed[-1] and skewed[0] > 2 * skewed[8]  # falls with rank
+    assert load(make_routing(100, 64, 8, "concentrated", g, "cpu")[1]).count_nonzero() == 8
+    with pytest.raises(ValueError, match="routing 'zipf'"):
+        make_routing(4, 64, 8, "zipf", g, "cpu")
