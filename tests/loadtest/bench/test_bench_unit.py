@@ -366,7 +366,7 @@ def test_concentrated_routing_sends_every_token_to_the_same_experts():
     assert torch.allclose(w.sum(-1), torch.ones(64))
     assert floor_of(64, 7168, 2048, 8, ids)["touched"] == 8
     assert parse_points(["DeepSeek-V3:460:concentrated"]) == [("DeepSeek-V3", 460, "concentrated")]
-    assert "concentrated" in ROUTINGS and "concentrated" not in DEFAULT_ROUTINGS
+    assert DEFAULT_ROUTINGS == ROUTINGS == ("uniform", "skewed", "concentrated")  # every routing by default (issue 38)
 
 
 def test_h200_check_sweep_names_variants_that_exist_at_its_points():
