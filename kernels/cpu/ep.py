@@ -18,15 +18,28 @@ the output is bitwise the same as ``fused_moe`` on one rank with all experts.
 With ``replicated_tokens`` every rank holds the same tokens (vLLM's tensor parallel without data
 parallel): step 3 reads nothing from peers and each rank computes only its experts' rows.
 
+Across nodes (``node_size`` ranks per node, fewer than the group: shared memory only inside a
+node), two levels. Every rank gathers every rank's top-k ids (a collective over the group) and
+computes the same schedule. A rank sends each remote node the rows of its tokens that node needs,
+once per node, to its peer of the same local index there (a collective over the ranks of that
+local index), which posts them in its segment's inbox for its node to pull. After the experts,
+the rank of the same local index on each node gathers the results its node computed for the
+other nodes' ranks of that index and sends them back the same way: every (token, k) result
+reaches the token's rank, which sums them in k order as on one node, so the output stays bitwise
+``fused_moe``'s whatever the number of nodes and ranks. Summing on the computing node first would
+send fewer bytes but group the terms by placement, changing the bits with the layout.
+
 One segment per rank serves every layer and call: a rank writes new tokens only after every peer
-has finished reading its old ones (they raise COMPUTED after reading), and new results only
-after every peer has posted the next call (so it has finished combining the previous one).
-Every wait is bounded and fails with ``PeerTimeoutError`` naming the rank and what it awaited.
+of its node has finished reading its old ones (they raise COMPUTED after reading), new results
+and inbox rows only after every peer of its node has posted the next call (so it has finished
+combining the previous one). Every wait is bounded and fails with ``PeerTimeoutError`` naming the
+rank and what it awaited (collectives across nodes too).
 A call's ``max_tokens_across_ranks`` (which sizes the GPU version's grids; here the schedule is
 sized by the posted counts anyway) is posted too and must be the same on every rank.
 Flags are aligned int64 stores and loads, ordered after the data they publish on x86-64 (TSO).
 """
 
+import datetime
 import time
 import uuid
 from multiprocessing import resource_tracker, shared_memory
@@ -40,7 +53,7 @@ from ..env import knob
 from ..ep_types import ExpertPlacement, PeerTimeoutError, call_bound
 from ..reference import check_fused_moe_args
 
-POSTED, COMPUTED, NUM_TOKENS, CALL_BOUND = 0, 1, 2, 3
+POSTED, COMPUTED, NUM_TOKENS, CALL_BOUND, INBOX = 0, 1, 2, 3, 4
 FLAG_SLOTS = 8
 ALIGN = 64
 
@@ -55,12 +68,14 @@ def _attach(name: str) -> shared_memory.SharedMemory:
 class _Segment:
     """Typed views into one rank's shared-memory segment."""
 
-    def __init__(self, shm, max_tokens, hidden, top_k, max_rows, dtype):
+    def __init__(self, shm, max_tokens, hidden, top_k, max_rows, inbox_rows, dtype):
         self.shm = shm
         offset = 0
 
         def view(count, view_dtype):
             nonlocal offset
+            if count == 0:  # (torch.frombuffer refuses an empty view)
+                return torch.empty(0, dtype=view_dtype)
             t = torch.frombuffer(shm.buf, dtype=view_dtype, count=count, offset=offset)
             offset += -(-count * t.element_size() // ALIGN) * ALIGN
             return t
@@ -69,16 +84,18 @@ class _Segment:
         self.ids = view(max_tokens * top_k, torch.int32).view(max_tokens, top_k)
         self.x = view(max_tokens * hidden, dtype).view(max_tokens, hidden)
         self.y = view(max_rows * hidden, dtype).view(max_rows, hidden)
+        self.inbox = view(inbox_rows * hidden, dtype).view(inbox_rows, hidden)  # rows from other nodes
 
     @staticmethod
-    def nbytes(max_tokens, hidden, top_k, max_rows, dtype):
+    def nbytes(max_tokens, hidden, top_k, max_rows, inbox_rows, dtype):
         size = torch.tensor([], dtype=dtype).element_size()
-        parts = [FLAG_SLOTS * 8, max_tokens * top_k * 4, max_tokens * hidden * size, max_rows * hidden * size]
+        parts = [FLAG_SLOTS * 8, max_tokens * top_k * 4, max_tokens * hidden * size, max_rows * hidden * size,
+                 inbox_rows * hidden * size]
         return sum(-(-p // ALIGN) * ALIGN for p in parts)
 
     def release(self):
         # Views must go before the mapping can close.
-        self.flags = self.ids = self.x = self.y = None
+        self.flags = self.ids = self.x = self.y = self.inbox = None
         self.shm.close()
 
 
@@ -87,6 +104,8 @@ class SharedMemoryEPWorkspace:
 
     ``group`` is a torch.distributed group (gloo) of this process and its peers; every rank must
     create the workspace with the same limits and then make the same sequence of calls.
+    ``node_size``: ranks per node (consecutive ranks; default the whole group), the ranks that share
+    memory; more nodes exchange rows through collectives (the module docstring).
     """
 
     def __init__(
@@ -100,10 +119,16 @@ class SharedMemoryEPWorkspace:
         placement: ExpertPlacement,
         replicated_tokens: bool = False,
         timeout_s: float | None = None,
+        node_size: int | None = None,
     ):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.node_size = node_size or self.world_size
+        if self.world_size % self.node_size:
+            raise ValueError(f"kittens EP: {self.world_size} ranks do not make whole nodes of {self.node_size}")
+        self.nodes = self.world_size // self.node_size
+        self.node, self.local_index = divmod(self.rank, self.node_size)
         self.max_tokens = max_tokens_per_rank
         self.hidden = hidden_size
         self.top_k = top_k
@@ -113,7 +138,8 @@ class SharedMemoryEPWorkspace:
         self.timeout_s = knob("ep_timeout_s", timeout_s)  # default MOK_EP_TIMEOUT_S, read now (env.py)
         self.epoch = 0
         sources = 1 if replicated_tokens else self.world_size
-        shape = (max_tokens_per_rank, hidden_size, top_k, sources * max_tokens_per_rank * top_k, dtype)
+        inbox_rows = 0 if replicated_tokens else (self.nodes - 1) * max_tokens_per_rank
+        shape = (max_tokens_per_rank, hidden_size, top_k, sources * max_tokens_per_rank * top_k, inbox_rows, dtype)
 
         prefix = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
         dist.broadcast_object_list(prefix, group_src=0, group=group)
@@ -121,23 +147,32 @@ class SharedMemoryEPWorkspace:
         own = shared_memory.SharedMemory(name=names[self.rank], create=True, size=_Segment.nbytes(*shape))
         self._own = own
         dist.barrier(group=group)
+        # Only this node's segments: another node's memory is not mapped (None there).
         self.segments = [
-            _Segment(own if r == self.rank else _attach(names[r]), *shape) for r in range(self.world_size)
+            _Segment(own if r == self.rank else _attach(names[r]), *shape) if self._on_my_node(r) else None
+            for r in range(self.world_size)
         ]
         self.segments[self.rank].flags.zero_()
         dist.barrier(group=group)
+
+    def _on_my_node(self, rank: int) -> bool:
+        return rank // self.node_size == self.node
 
     def close(self) -> None:
         if self._own is None:
             return
         for seg in self.segments:
-            seg.release()
+            if seg is not None:
+                seg.release()
         self._own.unlink()
         self._own = None
 
     def _wait_for_peers(self, slot: int, epoch: int, what: str, layer: str) -> None:
+        """Until every rank of this node has raised ``slot`` to ``epoch``."""
         deadline = time.monotonic() + self.timeout_s
         for peer, seg in enumerate(self.segments):
+            if seg is None:
+                continue
             spins = 0
             while int(seg.flags[slot]) < epoch:
                 spins += 1
@@ -216,7 +251,7 @@ class SharedMemoryEPWorkspace:
         epoch = self.epoch + 1
         me = self.segments[self.rank]
 
-        # 1. post this rank's tokens.
+        # 1. post this rank's tokens; every rank's ids, counts and bounds.
         if not self.replicated:
             me.ids[:tokens] = topk_ids
             me.x[:tokens] = hidden_states
@@ -224,11 +259,12 @@ class SharedMemoryEPWorkspace:
         me.flags[CALL_BOUND] = bound
         me.flags[POSTED] = epoch
         self._wait_for_peers(POSTED, epoch, "post its tokens", layer)
-        for peer, seg in enumerate(self.segments):
-            if int(seg.flags[CALL_BOUND]) != bound:
+        counts, bounds, posted_ids = self._posted(topk_ids, tokens, bound, layer, epoch)
+        for peer, peer_bound in enumerate(bounds):
+            if peer_bound != bound:
                 raise ValueError(
                     f"kittens EP rank {self.rank}: rank {peer} passed max_tokens_across_ranks="
-                    f"{int(seg.flags[CALL_BOUND])}, this rank {bound} (layer {layer}, call {epoch}); every "
+                    f"{peer_bound}, this rank {bound} (layer {layer}, call {epoch}); every "
                     f"rank must pass the same value"
                 )
 
@@ -236,7 +272,7 @@ class SharedMemoryEPWorkspace:
         if self.replicated:
             source_ids, my_source = [topk_ids.to(torch.int32)], 0
         else:
-            source_ids = [seg.ids[: int(seg.flags[NUM_TOKENS])].clone() for seg in self.segments]
+            source_ids = [ids[:count] for ids, count in zip(posted_ids, counts)]
             my_source = self.rank
         row_source = torch.cat([torch.full((ids.numel(),), s) for s, ids in enumerate(source_ids)])
         row_token = torch.cat([torch.arange(ids.numel()) // self.top_k for ids in source_ids])
@@ -247,8 +283,10 @@ class SharedMemoryEPWorkspace:
         for r in range(self.world_size):
             mine = row_owner == r
             row_position[mine] = torch.arange(int(mine.sum()))
+        row_node = torch.where(row_owner >= 0, row_owner // self.node_size, -1)
 
-        # 3. pull the rows this rank owns, each (source, token) once, and run its experts.
+        # 3. pull the rows this rank owns, each (source, token) once, and run its experts; rows of
+        # another node's tokens come from this node's inboxes (filled by the exchange).
         owned = row_owner == self.rank
         key = row_source[owned] * (self.max_tokens + 1) + row_token[owned]
         unique_keys, row_of_token = torch.unique_consecutive(key, return_inverse=True)
@@ -256,9 +294,10 @@ class SharedMemoryEPWorkspace:
         if self.replicated:
             pulled = hidden_states[pulled_token]
         else:
-            pulled = torch.cat(
-                [self.segments[s].x[pulled_token[pulled_source == s]] for s in range(self.world_size)]
-            )
+            if self.nodes > 1:
+                self._dispatch_across_nodes(hidden_states, row_source, row_token, row_node, layer, epoch)
+            pulled = torch.cat([self._source_rows(s, pulled_token[pulled_source == s], row_source, row_token, row_node)
+                                for s in range(self.world_size)])
         local_expert = self.placement.local[row_expert[owned]].long()
         if on_phase is not None:
             on_phase("experts")
@@ -268,12 +307,132 @@ class SharedMemoryEPWorkspace:
         me.flags[COMPUTED] = epoch
         self._wait_for_peers(COMPUTED, epoch, "finish its experts", layer)
 
-        # 4. pull this rank's k results from the ranks that computed them; fixed-order fp32 sum.
+        # 4. pull this rank's k results from the ranks that computed them (another node's through
+        # the exchange); fixed-order fp32 sum.
         mine = row_source == my_source
         owner, position = row_owner[mine], row_position[mine]
         results = torch.zeros(tokens * self.top_k, self.hidden, dtype=self.dtype)
         for r in range(self.world_size):
-            from_r = owner == r
-            results[from_r] = self.segments[r].y[position[from_r]]
+            if self._on_my_node(r):
+                from_r = owner == r
+                results[from_r] = self.segments[r].y[position[from_r]]
+        if self.nodes > 1:
+            self._combine_across_nodes(results, row_source, row_owner, row_position, row_node, mine, layer, epoch)
         self.epoch = epoch
         return combine_topk(results.view(tokens, self.top_k, self.hidden), topk_weights)
+
+    # ------------------------------------------------------------------ across nodes
+
+    def _source_of(self, rank: int) -> int:
+        """The schedule's source index of ``rank``'s tokens (one shared source when replicated)."""
+        return 0 if self.replicated else rank
+
+    def _posted(self, topk_ids, tokens: int, bound: int, layer: str, epoch: int):
+        """Every rank's (token count, bound, ids): from the node's segments on one node, else
+        gathered over the group (the ids padded to the workspace's limit)."""
+        if self.nodes == 1:
+            segs = self.segments
+            return ([int(seg.flags[NUM_TOKENS]) for seg in segs], [int(seg.flags[CALL_BOUND]) for seg in segs],
+                    [seg.ids for seg in segs])
+        words = torch.full((self.max_tokens * self.top_k + 2,), -1, dtype=torch.int32)
+        if not self.replicated:
+            words[: tokens * self.top_k] = topk_ids.to(torch.int32).flatten()
+        words[-2:] = torch.tensor([tokens, bound], dtype=torch.int32)
+        gathered = [torch.empty_like(words) for _ in range(self.world_size)]
+        self._bounded(dist.all_gather(gathered, words, group=self.group, async_op=True), "gathering top-k ids",
+                      layer, epoch)
+        return ([int(w[-2]) for w in gathered], [int(w[-1]) for w in gathered],
+                [w[:-2].view(self.max_tokens, self.top_k) for w in gathered])
+
+    def _bounded(self, work, what: str, layer: str, epoch: int) -> None:
+        """Wait for a collective across nodes as long as for a peer's flag."""
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:
+            raise PeerTimeoutError(
+                f"kittens EP rank {self.rank}: {what} across nodes did not complete within {self.timeout_s:g} s "
+                f"(layer {layer}, call {epoch}): {exc}"
+            ) from exc
+
+    def _exchange(self, outgoing: list[torch.Tensor], incoming: list[int], what: str, layer: str,
+                  epoch: int) -> list[torch.Tensor]:
+        """``outgoing[n]`` (rows of ``hidden``) to node n's rank of this local index, and from each its
+        ``incoming[n]`` rows; raw bytes, whatever the dtype. One all-to-all over the whole group with
+        nothing to or from the other local indices (a subgroup would need every process of the
+        default group to create it)."""
+        row_bytes = self.hidden * torch.tensor([], dtype=self.dtype).element_size()
+        peer = [r % self.node_size == self.local_index for r in range(self.world_size)]
+        send_splits = [outgoing[r // self.node_size].shape[0] * row_bytes if peer[r] else 0 for r in range(self.world_size)]
+        recv_splits = [incoming[r // self.node_size] * row_bytes if peer[r] else 0 for r in range(self.world_size)]
+        send = torch.cat([t.contiguous().view(torch.uint8).reshape(-1) for t in outgoing])
+        recv = torch.empty(sum(recv_splits), dtype=torch.uint8)
+        work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group, async_op=True)
+        self._bounded(work, what, layer, epoch)
+        return list(recv.view(self.dtype).view(-1, self.hidden).split(incoming))
+
+    def _needed(self, source: int, node: int, row_source, row_token, row_node) -> torch.Tensor:
+        """Tokens of ``source`` that a rank of ``node`` computes a row of, in token order (each once)."""
+        return torch.unique(row_token[(row_source == source) & (row_node == node)])
+
+    def _dispatch_across_nodes(self, hidden_states, row_source, row_token, row_node, layer: str, epoch: int) -> None:
+        """Send each other node the rows of this rank's tokens it needs; post theirs in the inbox."""
+        outgoing, incoming = [], []
+        for n in range(self.nodes):
+            if n == self.node:
+                outgoing.append(hidden_states[:0])
+                incoming.append(0)
+                continue
+            outgoing.append(hidden_states[self._needed(self.rank, n, row_source, row_token, row_node)])
+            source = n * self.node_size + self.local_index
+            incoming.append(self._needed(source, self.node, row_source, row_token, row_node).numel())
+        received = self._exchange(outgoing, incoming, "sending token rows", layer, epoch)
+        inbox = self.segments[self.rank].inbox
+        at = 0
+        for rows in received:
+            inbox[at : at + rows.shape[0]] = rows
+            at += rows.shape[0]
+        self.segments[self.rank].flags[INBOX] = epoch
+        self._wait_for_peers(INBOX, epoch, "post the rows it received from other nodes", layer)
+
+    def _source_rows(self, source: int, tok: torch.Tensor, row_source, row_token, row_node) -> torch.Tensor:
+        """Rows ``tok`` of ``source``'s tokens: from its segment on this node, else from the inbox of
+        this node's rank of its local index."""
+        if self._on_my_node(source):
+            return self.segments[source].x[tok]
+        forwarder = self.node * self.node_size + source % self.node_size
+        needed = self._needed(source, self.node, row_source, row_token, row_node)
+        # The forwarder's inbox holds, per other node in order, that node's source's needed tokens.
+        at = 0
+        for n in range(self.nodes):
+            if n == self.node:
+                continue
+            s = n * self.node_size + forwarder % self.node_size
+            if s == source:
+                break
+            at += self._needed(s, self.node, row_source, row_token, row_node).numel()
+        return self.segments[forwarder].inbox[at + torch.searchsorted(needed, tok)]
+
+    def _combine_across_nodes(self, results, row_source, row_owner, row_position, row_node, mine,
+                              layer: str, epoch: int) -> None:
+        """Send each other node's rank of this local index the results this node computed for its
+        tokens, in schedule order; place the ones received for this rank's tokens into ``results``."""
+        outgoing, incoming = [], []
+        for n in range(self.nodes):
+            if n == self.node:
+                outgoing.append(results[:0])
+                incoming.append(0)
+                continue
+            dest = self._source_of(n * self.node_size + self.local_index)
+            rows = (row_source == dest) & (row_node == self.node)
+            owners, positions = row_owner[rows], row_position[rows]
+            out = torch.empty(int(rows.sum()), self.hidden, dtype=self.dtype)
+            for r in range(self.node * self.node_size, (self.node + 1) * self.node_size):
+                from_r = owners == r
+                out[from_r] = self.segments[r].y[positions[from_r]]
+            outgoing.append(out)
+            incoming.append(int(((row_source == self._source_of(self.rank)) & (row_node == n)).sum()))
+        received = self._exchange(outgoing, incoming, "returning expert results", layer, epoch)
+        my_nodes = row_node[mine]
+        for n, rows in enumerate(received):
+            if n != self.node:
+                results[my_nodes == n] = rows

@@ -10,11 +10,13 @@ without data parallelism every rank holds the same tokens, so the workspace runs
 replicated-tokens mode. The workspace is made at the first MoE call (vLLM's profiling run,
 before any CUDA graph is captured) and serves every layer.
 
-One node only: every rank of the EP group must map every other rank's memory. A layout whose EP
-group spans several nodes is refused at start-up with a message saying what to run instead: from
-vLLM's parallel config in the API server (data parallel ranks on other nodes, a DP replica across
-nodes), and again when the workspace is made, from the ranks' host names (any launcher), or from
-``MOK_EP_NODE_SIZE`` (ranks per node, to test a multi-node layout on one host).
+Nodes: ranks map each other's memory inside a node only. The node layout comes from the ranks'
+host names when the workspace is made (any launcher), or from ``MOK_EP_NODE_SIZE`` (ranks per node,
+to run a multi-node layout on one host). On the CPU an EP group over several nodes runs the
+workspace's two-level exchange (collectives between nodes, kernels/cpu/ep.py); on GPUs it is
+refused at start-up with a message saying what to run instead: from vLLM's parallel config in the
+API server (data parallel ranks on other nodes, a DP replica across nodes), and again from the
+host names, or a layout whose hosts are not whole blocks of consecutive ranks.
 """
 
 import socket
@@ -55,22 +57,34 @@ def ep_nodes_from_config(parallel_config) -> int:
 
 def multi_node_error(nodes: int, ranks: int, how: str) -> str:
     return (
-        f"--moe-backend kittens runs expert parallelism inside one node (every EP rank maps every other "
-        f"rank's memory), but this EP group of {ranks} ranks spans {nodes} nodes ({how}). Keep the EP group "
+        f"--moe-backend kittens runs GPU expert parallelism inside one node (every EP rank maps every other "
+        f"rank's memory; across nodes on CPUs only, so far), but this EP group of {ranks} ranks spans {nodes} "
+        f"nodes ({how}). Keep the EP group "
         f"on one node (expert parallelism over one node's GPUs, data parallelism without EP across nodes), "
         f"or serve with --moe-backend auto for vLLM's all-to-all across nodes."
     )
 
 
-def check_one_node(hosts: list[str], node_size: int = 0) -> None:
-    """Raise ``RuntimeError`` (``multi_node_error``) unless the EP ranks, whose host names are
-    ``hosts`` in rank order, share one node: one host, and at most ``node_size`` ranks where that is
-    set (``MOK_EP_NODE_SIZE``: ranks per node, a multi-node layout simulated on one host)."""
-    ranks = len(hosts)
-    if len(set(hosts)) > 1:
-        raise RuntimeError(multi_node_error(len(set(hosts)), ranks, "hosts " + ", ".join(sorted(set(hosts)))))
-    if node_size and ranks > node_size:
-        raise RuntimeError(multi_node_error(-(-ranks // node_size), ranks, f"MOK_EP_NODE_SIZE={node_size}"))
+def node_size_of(hosts: list[str], forced: int = 0, *, multi_node: bool) -> int:
+    """Ranks per node of an EP group whose host names are ``hosts`` in rank order: ``forced``
+    (``MOK_EP_NODE_SIZE``, a layout simulated on one host) where set, else the ranks of one host.
+    Raises ``RuntimeError`` (``multi_node_error``) for more than one node unless ``multi_node``
+    (the transport has a two-level exchange), and for nodes that are not equal blocks of
+    consecutive ranks."""
+    ranks, distinct = len(hosts), list(dict.fromkeys(hosts))
+    if forced:
+        size, how = forced, f"MOK_EP_NODE_SIZE={forced}"
+        if ranks % size:
+            raise RuntimeError(f"kittens EP: MOK_EP_NODE_SIZE={size} does not divide the EP group's {ranks} ranks")
+    else:
+        size, how = ranks // len(distinct), "hosts " + ", ".join(distinct)
+        blocks = [hosts[i : i + size] for i in range(0, ranks, size)]
+        if ranks % len(distinct) or any(len(set(b)) != 1 for b in blocks) or len({b[0] for b in blocks}) != len(blocks):
+            raise RuntimeError(f"kittens EP: the EP group's ranks must be equal blocks of consecutive ranks per host; "
+                               f"got {hosts}")
+    if size < ranks and not multi_node:
+        raise RuntimeError(multi_node_error(ranks // size, ranks, how))
+    return size
 
 
 def bind_all2all_backend(moe_backend: str, parallel_config, stock_bind) -> None:
@@ -90,7 +104,7 @@ def bind_all2all_backend(moe_backend: str, parallel_config, stock_bind) -> None:
         # The placement is exchanged once, at the first call; EPLB moves experts at run time.
         raise ValueError("--moe-backend kittens does not support --enable-eplb yet")
     nodes = ep_nodes_from_config(parallel_config)
-    if nodes > 1:
+    if nodes > 1 and not current_platform.is_cpu():  # (the CPU workspace exchanges rows between nodes)
         ranks = parallel_config.tensor_parallel_size * parallel_config.data_parallel_size
         raise ValueError(multi_node_error(
             nodes, ranks, f"--data-parallel-size {parallel_config.data_parallel_size} with "
@@ -119,7 +133,7 @@ def _workspace(hidden_states, topk_ids, expert_map, quant: str | None = None):
         group = get_ep_group()
         hosts = [None] * group.world_size
         torch.distributed.all_gather_object(hosts, socket.gethostname(), group=group.cpu_group)
-        check_one_node(hosts, knob("ep_node_size"))
+        node_size = node_size_of(hosts, knob("ep_node_size"), multi_node=not hidden_states.is_cuda)
         maps = [torch.empty_like(expert_map, device="cpu") for _ in range(group.world_size)]
         torch.distributed.all_gather(maps, expert_map.cpu().contiguous(), group=group.cpu_group)
         extra = {}
@@ -131,6 +145,9 @@ def _workspace(hidden_states, topk_ids, expert_map, quant: str | None = None):
         else:
             # The CPU workspace moves activation rows and serves both kinds of experts.
             workspace_cls, process_group, transport = SharedMemoryEPWorkspace, group.cpu_group, "shared memory"
+            extra["node_size"] = node_size
+            if node_size < group.world_size:
+                transport = f"shared memory in nodes of {node_size} ranks, collectives between them"
         ws = workspace_cls(
             process_group,
             **extra,

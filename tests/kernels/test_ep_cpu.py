@@ -6,6 +6,7 @@ all experts (which is itself checked against float64 in test_reference.py).
 """
 
 import os
+import time
 
 import pytest
 import torch
@@ -35,11 +36,12 @@ def _global_inputs(seed, tokens_per_rank, num_experts, routing="uniform"):
     return x, w13, w2, weights, ids
 
 
-def _workspace(world, num_experts, replicated=False, timeout_s=60.0):
+def _workspace(world, num_experts, replicated=False, timeout_s=60.0, node_size=None):
     placement = ExpertPlacement.linear(num_experts, world)
     ws = SharedMemoryEPWorkspace(
         dist.group.WORLD, max_tokens_per_rank=MAX_TOKENS, hidden_size=HIDDEN, top_k=TOP_K,
         dtype=torch.bfloat16, placement=placement, replicated_tokens=replicated, timeout_s=timeout_s,
+        node_size=node_size,
     )
     return ws, placement
 
@@ -170,6 +172,62 @@ def scenario_killed_peer(rank, world):
     with pytest.raises(PeerTimeoutError, match="rank 1 did not post its tokens"):
         ws.fused_moe(x[:8], local13, local2, weights[:8], ids[:8])
     ws.close()
+
+
+def scenario_two_nodes(rank, world):
+    """4 ranks as 2 nodes of 2 (shared memory only inside a node, collectives between): distinct and
+    replicated tokens, bitwise one-rank fused_moe, so bitwise the one-node EP too."""
+    num_experts = 16
+    ws, placement = _workspace(world, num_experts, node_size=2)
+    assert (ws.nodes, ws.node, ws.local_index) == (2, rank // 2, rank % 2)
+    assert [seg is not None for seg in ws.segments] == [r // 2 == rank // 2 for r in range(world)]
+    try:
+        cases = [((37, 5, 60, 12), "uniform"), ((0, 41, 9, 0), "uniform"), ((MAX_TOKENS, 1, 17, 3), "one_rank"),
+                 ((23, 23, 50, 8), "hot"), ((1, 1, 1, 1), "uniform")]
+        for call, (counts, routing) in enumerate(cases):
+            x, w13, w2, weights, ids = _global_inputs(700 + call, counts, num_experts, routing)
+            if call == 1:
+                ids[:, 1] = -1  # unrouted slots across nodes too
+            expected = fused_moe(x, w13, w2, weights, ids)
+            start = sum(counts[:rank])
+            mine = slice(start, start + counts[rank])
+            local13, local2 = _local_weights(w13, w2, placement, rank)
+            out = ws.fused_moe(x[mine], local13, local2, weights[mine], ids[mine], layer=f"case{call}",
+                               max_tokens_across_ranks=max(counts))
+            assert torch.equal(out, expected[mine]), f"case {call}: 2 x 2 EP differs from one rank"
+    finally:
+        ws.close()
+    ws, placement = _workspace(world, num_experts, replicated=True, node_size=2)
+    try:
+        x, w13, w2, weights, ids = _global_inputs(800, [29], num_experts)
+        local13, local2 = _local_weights(w13, w2, placement, rank)
+        assert torch.equal(ws.fused_moe(x, local13, local2, weights, ids), fused_moe(x, w13, w2, weights, ids))
+    finally:
+        ws.close()
+
+
+def scenario_silent_peer_on_another_node(rank, world):
+    num_experts = 8
+    ws, placement = _workspace(world, num_experts, timeout_s=1.5, node_size=2)
+    try:
+        x, w13, w2, weights, ids = _global_inputs(900, [8] * world, num_experts)
+        local13, local2 = _local_weights(w13, w2, placement, rank)
+        if rank >= 2:
+            time.sleep(4)  # node 1 never calls the layer
+            return
+        with pytest.raises(PeerTimeoutError, match=rf"rank {rank}: gathering top-k ids across nodes did not "
+                                                   rf"complete within 1.5 s \(layer L9"):
+            ws.fused_moe(x[:8], local13, local2, weights[:8], ids[:8], layer="L9")
+    finally:
+        ws.close()
+
+
+def test_two_nodes_of_two_ranks_equal_one_rank_bitwise():
+    run_ranks(scenario_two_nodes, 4)
+
+
+def test_silent_node_times_out_with_a_clear_error():
+    run_ranks(scenario_silent_peer_on_another_node, 4)
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -103,15 +103,17 @@ def test_data_parallel_2_expert_parallel_equals_tp1(kittens_server):
             assert f"kittens EP: rank {rank} of 2 dispatches and combines over shared memory (per-rank tokens)" in log
 
 
-def test_an_ep_group_across_nodes_is_refused_at_start_up():
-    """Two ranks as two simulated nodes (MOK_EP_NODE_SIZE=1): the engine stops at its first MoE call
-    (vLLM's profiling run) with the message, instead of hanging in the workspace's rendezvous."""
-    server = ServerProcess(["--tensor-parallel-size", "2", "--enable-expert-parallel", *COMMON],
-                           env={"MOK_EP_NODE_SIZE": "1"}, startup_timeout=300)
-    with pytest.raises(ServerError):
-        server.start()
-    assert "EP group of 2 ranks spans 2 nodes (MOK_EP_NODE_SIZE=1)" in server.log()
-    assert "--moe-backend auto" in server.log()
+def test_data_parallel_4_as_two_nodes_of_two_equals_tp1(kittens_server):
+    """Four DP ranks as two simulated nodes of two (MOK_EP_NODE_SIZE=2: shared memory inside a node,
+    collectives between nodes): greedy output bitwise the one-rank output, under concurrent streams."""
+    expected = greedy_all(kittens_server)
+    with ServerProcess(["--data-parallel-size", "4", "--enable-expert-parallel", *COMMON],
+                       env={"MOK_EP_NODE_SIZE": "2"}, startup_timeout=900) as dp4:
+        assert greedy_all(dp4, concurrent=True) == expected
+        log = dp4.log()
+        for rank in range(4):
+            assert (f"kittens EP: rank {rank} of 4 dispatches and combines over shared memory in nodes of 2 ranks, "
+                    f"collectives between them (per-rank tokens)") in log
 
 
 SUPPORTED_MESSAGE = (

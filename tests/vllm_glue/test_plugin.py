@@ -230,7 +230,7 @@ def test_every_moe_method_zeroes_the_dummy_routing_bias():
     assert plain.abs().max() > 0  # without the mark: vLLM's +-1e-3 noise
 
 
-def test_ep_across_nodes_is_refused_at_start_up_with_what_to_run_instead():
+def test_ep_node_layouts_at_start_up(monkeypatch):
     from types import SimpleNamespace
 
     from mok_serve.vllm import expert_parallel as ep
@@ -249,11 +249,20 @@ def test_ep_across_nodes_is_refused_at_start_up_with_what_to_run_instead():
     one = config(dp=2, dp_local=2, tp=2)
     ep.bind_all2all_backend("kittens", one, stock_bind=None)
     assert one.all2all_backend == "passthrough"
+    # On the CPU an EP group across nodes runs the two-level exchange; on GPUs it is refused.
+    ep.bind_all2all_backend("kittens", config(dp=16, dp_local=4, tp=2), stock_bind=None)
+    monkeypatch.setattr(ep.current_platform, "is_cpu", lambda: False)
+    monkeypatch.setattr(ep.current_platform, "is_cuda", lambda: True)
     with pytest.raises(ValueError, match=r"EP group of 32 ranks spans 4 nodes .*--moe-backend auto"):
         ep.bind_all2all_backend("kittens", config(dp=16, dp_local=4, tp=2), stock_bind=None)
-    ep.check_one_node(["a", "a", "a", "a"])
-    ep.check_one_node(["a", "a"], node_size=2)
-    with pytest.raises(RuntimeError, match="spans 2 nodes \\(hosts a, b\\)"):
-        ep.check_one_node(["a", "a", "b", "b"])
+    assert ep.node_size_of(["a"] * 4, multi_node=False) == 4
+    assert ep.node_size_of(["a", "a", "b", "b"], multi_node=True) == 2
+    assert ep.node_size_of(["a"] * 4, 2, multi_node=True) == 2
+    with pytest.raises(RuntimeError, match=r"spans 2 nodes \(hosts a, b\)"):
+        ep.node_size_of(["a", "a", "b", "b"], multi_node=False)
     with pytest.raises(RuntimeError, match=r"4 ranks spans 2 nodes \(MOK_EP_NODE_SIZE=2\)"):
-        ep.check_one_node(["a"] * 4, node_size=2)
+        ep.node_size_of(["a"] * 4, 2, multi_node=False)
+    with pytest.raises(RuntimeError, match="equal blocks of consecutive ranks"):
+        ep.node_size_of(["a", "b", "a", "b"], multi_node=True)
+    with pytest.raises(RuntimeError, match="does not divide"):
+        ep.node_size_of(["a"] * 4, 3, multi_node=True)
