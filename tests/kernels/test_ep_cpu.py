@@ -222,6 +222,34 @@ def scenario_silent_peer_on_another_node(rank, world):
         ws.close()
 
 
+def scenario_killed_peer_on_another_node(rank, world):
+    """Rank 3 dies between calls: every other rank's next call fails within the bound (its node's
+    peer on the flag, the other node on the collective), naming the rank or the step."""
+    num_experts = 8
+    ws, placement = _workspace(world, num_experts, timeout_s=1.5, node_size=2)
+    x, w13, w2, weights, ids = _global_inputs(950, [8] * world, num_experts)
+    local13, local2 = _local_weights(w13, w2, placement, rank)
+    ws.fused_moe(x[rank * 8 : rank * 8 + 8], local13, local2, weights[:8], ids[:8])
+    if rank == 3:
+        os._exit(0)
+    start = time.monotonic()
+    with pytest.raises(PeerTimeoutError, match="rank 3 did not post its tokens" if rank == 2 else "across nodes"):
+        ws.fused_moe(x[:8], local13, local2, weights[:8], ids[:8])
+    assert time.monotonic() - start < 30
+    ws.close()
+
+
+def test_killed_peer_on_another_node_fails_every_rank_in_bounded_time():
+    procs, queue = spawn_ranks(scenario_killed_peer_on_another_node, 4)
+    results = [queue.get(timeout=120) for _ in range(3)]
+    for p in procs:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+    assert sorted(r for r, _, _ in results) == [0, 1, 2]
+    assert all(error is None for _, error, _ in results), [e for _, e, _ in results if e]
+
+
 def test_two_nodes_of_two_ranks_equal_one_rank_bitwise():
     run_ranks(scenario_two_nodes, 4)
 
