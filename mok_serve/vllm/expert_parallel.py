@@ -147,7 +147,7 @@ def _workspace(hidden_states, topk_ids, expert_map, quant: str | None = None):
             workspace_cls, process_group, transport = SharedMemoryEPWorkspace, group.cpu_group, "shared memory"
             extra["node_size"] = node_size
             if node_size < group.world_size:
-                transport = f"shared memory in nodes of {node_size} ranks, collectives between them"
+                transport = f"shared memory in nodes of {node_size} rank{'s' if node_size > 1 else ''}, collectives between them"
         ws = workspace_cls(
             process_group,
             **extra,

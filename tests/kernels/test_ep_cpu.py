@@ -98,7 +98,7 @@ def scenario_bound_mismatch(rank, world):
         ws.close()
 
 
-def scenario_fp8(rank, world):
+def scenario_fp8(rank, world, node_size=None):
     """Block-FP8 experts: EP (distinct and replicated tokens) equals one-rank fused_moe_fp8 bitwise."""
     from mok_serve.kernels import fused_moe_fp8
     from mok_serve.kernels.fp8 import quantize_fp8_blocks
@@ -114,9 +114,10 @@ def scenario_fp8(rank, world):
         ws = SharedMemoryEPWorkspace(
             dist.group.WORLD, max_tokens_per_rank=MAX_TOKENS, hidden_size=hidden, top_k=TOP_K,
             dtype=torch.bfloat16, placement=placement, replicated_tokens=replicated, timeout_s=60.0,
+            node_size=node_size,
         )  # fmt: skip
         try:
-            counts = [11] * world if replicated else [7, 0, 19][:world]
+            counts = [11] * world if replicated else [7, 0, 19, 5][:world]
             total = counts[0] if replicated else sum(counts)
             x = torch.randn(total, hidden, generator=g).bfloat16()
             ids = torch.rand(total, num_experts, generator=g).argsort(dim=1)[:, :TOP_K].to(torch.int32)
@@ -250,8 +251,16 @@ def test_killed_peer_on_another_node_fails_every_rank_in_bounded_time():
     assert all(error is None for _, error, _ in results), [e for _, e, _ in results if e]
 
 
+def scenario_fp8_two_nodes(rank, world):
+    scenario_fp8(rank, world, node_size=2)
+
+
 def test_two_nodes_of_two_ranks_equal_one_rank_bitwise():
     run_ranks(scenario_two_nodes, 4)
+
+
+def test_fp8_two_nodes_of_two_ranks_equal_one_rank_bitwise():
+    run_ranks(scenario_fp8_two_nodes, 4)
 
 
 def test_silent_node_times_out_with_a_clear_error():

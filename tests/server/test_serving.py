@@ -184,14 +184,20 @@ def test_block_fp8_model_served_by_kittens(family, tmp_path):
 
 
 def test_block_fp8_data_parallel_2_expert_parallel_equals_tp1(fp8_model):
+    """On one node, and as two simulated nodes of one rank (MOK_EP_NODE_SIZE=1: every row and result
+    through the collectives between nodes)."""
     with ServerProcess([str(fp8_model), *COMMON]) as tp1:
         expected = greedy_all(tp1)
-    with ServerProcess([str(fp8_model), "--data-parallel-size", "2", "--enable-expert-parallel", *COMMON]) as dp2:
-        assert greedy_all(dp2, concurrent=True) == expected
-        log = dp2.log()
-        assert FP8_LINE in log
-        for rank in (0, 1):
-            assert f"kittens EP: rank {rank} of 2 dispatches and combines over shared memory (per-rank tokens)" in log
+    for node_size, transport in ((None, "shared memory"),
+                                 ("1", "shared memory in nodes of 1 rank, collectives between them")):
+        env = {"MOK_EP_NODE_SIZE": node_size} if node_size else {}
+        with ServerProcess([str(fp8_model), "--data-parallel-size", "2", "--enable-expert-parallel", *COMMON],
+                           env=env) as dp2:
+            assert greedy_all(dp2, concurrent=True) == expected
+            log = dp2.log()
+            assert FP8_LINE in log
+            for rank in (0, 1):
+                assert f"kittens EP: rank {rank} of 2 dispatches and combines over {transport} (per-rank tokens)" in log
 
 
 # Under TP2 vLLM splits the dense layers' sums (attention, shared expert) across the ranks, so a MoE
