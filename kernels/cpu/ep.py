@@ -294,9 +294,12 @@ class SharedMemoryEPWorkspace:
         if self.replicated:
             pulled = hidden_states[pulled_token]
         else:
+            # Each other node's source: its tokens this node needs, in token order (the inbox layout).
+            needed_here = {s: self._needed(s, self.node, row_source, row_token, row_node)
+                           for s in range(self.world_size) if not self._on_my_node(s)}
             if self.nodes > 1:
-                self._dispatch_across_nodes(hidden_states, row_source, row_token, row_node, layer, epoch)
-            pulled = torch.cat([self._source_rows(s, pulled_token[pulled_source == s], row_source, row_token, row_node)
+                self._dispatch_across_nodes(hidden_states, needed_here, row_source, row_token, row_node, layer, epoch)
+            pulled = torch.cat([self._source_rows(s, pulled_token[pulled_source == s], needed_here)
                                 for s in range(self.world_size)])
         local_expert = self.placement.local[row_expert[owned]].long()
         if on_phase is not None:
@@ -374,7 +377,8 @@ class SharedMemoryEPWorkspace:
         """Tokens of ``source`` that a rank of ``node`` computes a row of, in token order (each once)."""
         return torch.unique(row_token[(row_source == source) & (row_node == node)])
 
-    def _dispatch_across_nodes(self, hidden_states, row_source, row_token, row_node, layer: str, epoch: int) -> None:
+    def _dispatch_across_nodes(self, hidden_states, needed_here, row_source, row_token, row_node, layer: str,
+                               epoch: int) -> None:
         """Send each other node the rows of this rank's tokens it needs; post theirs in the inbox."""
         outgoing, incoming = [], []
         for n in range(self.nodes):
@@ -383,8 +387,7 @@ class SharedMemoryEPWorkspace:
                 incoming.append(0)
                 continue
             outgoing.append(hidden_states[self._needed(self.rank, n, row_source, row_token, row_node)])
-            source = n * self.node_size + self.local_index
-            incoming.append(self._needed(source, self.node, row_source, row_token, row_node).numel())
+            incoming.append(needed_here[n * self.node_size + self.local_index].numel())
         received = self._exchange(outgoing, incoming, "sending token rows", layer, epoch)
         inbox = self.segments[self.rank].inbox
         at = 0
@@ -394,23 +397,17 @@ class SharedMemoryEPWorkspace:
         self.segments[self.rank].flags[INBOX] = epoch
         self._wait_for_peers(INBOX, epoch, "post the rows it received from other nodes", layer)
 
-    def _source_rows(self, source: int, tok: torch.Tensor, row_source, row_token, row_node) -> torch.Tensor:
+    def _source_rows(self, source: int, tok: torch.Tensor, needed_here: dict) -> torch.Tensor:
         """Rows ``tok`` of ``source``'s tokens: from its segment on this node, else from the inbox of
-        this node's rank of its local index."""
+        this node's rank of its local index, which holds per other node in order that node's source
+        of its index's ``needed_here`` tokens."""
         if self._on_my_node(source):
             return self.segments[source].x[tok]
-        forwarder = self.node * self.node_size + source % self.node_size
-        needed = self._needed(source, self.node, row_source, row_token, row_node)
-        # The forwarder's inbox holds, per other node in order, that node's source's needed tokens.
-        at = 0
-        for n in range(self.nodes):
-            if n == self.node:
-                continue
-            s = n * self.node_size + forwarder % self.node_size
-            if s == source:
-                break
-            at += self._needed(s, self.node, row_source, row_token, row_node).numel()
-        return self.segments[forwarder].inbox[at + torch.searchsorted(needed, tok)]
+        index = source % self.node_size
+        at = sum(needed_here[n * self.node_size + index].numel()
+                 for n in range(source // self.node_size) if n != self.node)
+        forwarder = self.node * self.node_size + index
+        return self.segments[forwarder].inbox[at + torch.searchsorted(needed_here[source], tok)]
 
     def _combine_across_nodes(self, results, row_source, row_owner, row_position, row_node, mine,
                               layer: str, epoch: int) -> None:

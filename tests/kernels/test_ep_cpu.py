@@ -175,17 +175,19 @@ def scenario_killed_peer(rank, world):
     ws.close()
 
 
-def scenario_two_nodes(rank, world):
-    """4 ranks as 2 nodes of 2 (shared memory only inside a node, collectives between): distinct and
-    replicated tokens, bitwise one-rank fused_moe, so bitwise the one-node EP too."""
-    num_experts = 16
-    ws, placement = _workspace(world, num_experts, node_size=2)
-    assert (ws.nodes, ws.node, ws.local_index) == (2, rank // 2, rank % 2)
-    assert [seg is not None for seg in ws.segments] == [r // 2 == rank // 2 for r in range(world)]
+def scenario_nodes(rank, world, node_size):
+    """``world`` ranks in nodes of ``node_size`` (shared memory only inside a node, collectives
+    between): distinct and replicated tokens, bitwise one-rank fused_moe, so bitwise the one-node EP
+    too. Three or more nodes put several nodes' rows in one inbox."""
+    num_experts = 12 * node_size if world == 3 else 16
+    ws, placement = _workspace(world, num_experts, node_size=node_size)
+    assert (ws.nodes, ws.node, ws.local_index) == (world // node_size, rank // node_size, rank % node_size)
+    assert [seg is not None for seg in ws.segments] == [r // node_size == rank // node_size for r in range(world)]
     try:
         cases = [((37, 5, 60, 12), "uniform"), ((0, 41, 9, 0), "uniform"), ((MAX_TOKENS, 1, 17, 3), "one_rank"),
                  ((23, 23, 50, 8), "hot"), ((1, 1, 1, 1), "uniform")]
         for call, (counts, routing) in enumerate(cases):
+            counts = counts[:world]
             x, w13, w2, weights, ids = _global_inputs(700 + call, counts, num_experts, routing)
             if call == 1:
                 ids[:, 1] = -1  # unrouted slots across nodes too
@@ -195,10 +197,10 @@ def scenario_two_nodes(rank, world):
             local13, local2 = _local_weights(w13, w2, placement, rank)
             out = ws.fused_moe(x[mine], local13, local2, weights[mine], ids[mine], layer=f"case{call}",
                                max_tokens_across_ranks=max(counts))
-            assert torch.equal(out, expected[mine]), f"case {call}: 2 x 2 EP differs from one rank"
+            assert torch.equal(out, expected[mine]), f"case {call}: EP in nodes of {node_size} differs from one rank"
     finally:
         ws.close()
-    ws, placement = _workspace(world, num_experts, replicated=True, node_size=2)
+    ws, placement = _workspace(world, num_experts, replicated=True, node_size=node_size)
     try:
         x, w13, w2, weights, ids = _global_inputs(800, [29], num_experts)
         local13, local2 = _local_weights(w13, w2, placement, rank)
@@ -255,8 +257,20 @@ def scenario_fp8_two_nodes(rank, world):
     scenario_fp8(rank, world, node_size=2)
 
 
+def scenario_two_nodes(rank, world):
+    scenario_nodes(rank, world, 2)
+
+
+def scenario_three_nodes(rank, world):
+    scenario_nodes(rank, world, 1)
+
+
 def test_two_nodes_of_two_ranks_equal_one_rank_bitwise():
     run_ranks(scenario_two_nodes, 4)
+
+
+def test_three_nodes_of_one_rank_equal_one_rank_bitwise():
+    run_ranks(scenario_three_nodes, 3)
 
 
 def test_fp8_two_nodes_of_two_ranks_equal_one_rank_bitwise():
