@@ -26,7 +26,7 @@ Per-layer MoE timing and expert load, for any --moe-backend, are on by default: 
 /v1/kittens/layers (JSON), /metrics (Prometheus, kittens:* series) and the page /kittens.
 --deterministic serves every request's tokens and logprobs bitwise independent of the other
 requests in its steps (vLLM's batch-invariant mode, VLLM_BATCH_INVARIANT=1, with kittens' invariant
-experts and dense layers; CUDA only).
+experts, dense layers, norms and attention; CUDA only).
 
   mok-serve build-tiny [--family F]   build a tiny model and print its path (--list: families)
   mok-serve build-model --shape S     write a real-shape model without weights, to serve with
@@ -75,7 +75,7 @@ def add_mok_options(parser) -> None:
         action="store_true",
         help="batch-invariant serving: a request's output (token ids and logprobs) is bitwise the same "
         "whatever else shares its steps; sets VLLM_BATCH_INVARIANT=1 for every vLLM process, with kittens' "
-        "invariant experts and dense layers where --moe-backend is kittens (CUDA only)",
+        "invariant experts, dense layers, norms and attention where --moe-backend is kittens (CUDA only)",
     )
     group.add_argument(
         "--kittens-timing",

@@ -3,7 +3,8 @@
 ``mok-serve --deterministic`` (or ``VLLM_BATCH_INVARIANT=1 vllm serve MODEL --moe-backend kittens``)
 runs vLLM's batch-invariant mode (``vllm/model_executor/determinism/batch_invariant.py``: invariant
 attention, norms, softmax and sampling ops, NCCL and all-reduce pinned) with the kittens experts,
-which need no invariant fallback, and puts two kittens kernels where that mode is slow:
+which need no invariant fallback, and puts three kittens kernels where that mode is slow or not
+invariant:
 
 - the dense layers (``mok_serve.kernels.invariant_linear``) where vLLM's invariant mode calls its
   own GEMM, which runs one fixed 128x128 tile for every row count, so a decode step's skinny
