@@ -1,11 +1,14 @@
-"""mok-loadtest step-profile: where one decode step's GPU time goes, for one request alone (c=1).
+"""mok-loadtest step-profile: where one decode step's GPU time goes, for one request alone (c=1),
+and with ``--prefill-prompts P`` where a prefill of P prompts together goes.
 
 Builds MODEL in this process with vLLM's offline engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the
 torch profiler sees the model's kernels; vLLM's defaults otherwise: torch.compile, CUDA graphs),
 then profiles two greedy generations of the same random prompt: 1 output token (the prefill) and
 1 + ``--decode-steps`` tokens. Their difference, divided by the steps, is one decode step: wall
 time, and GPU kernel time by kernel and by kind (dense GEMM, MoE, attention, norms, sampling,
-other). ``--deterministic`` runs vLLM's batch-invariant mode (``VLLM_BATCH_INVARIANT=1``; with
+other). ``--prefill-prompts P`` also profiles one generation of 1 token for each of P different
+random prompts of ``--input-len`` tokens, submitted together (vLLM chunks them into steps of
+``--max-num-batched-tokens``): the prefill-heavy end of serving. ``--deterministic`` runs vLLM's batch-invariant mode (``VLLM_BATCH_INVARIANT=1``; with
 ``--moe-backend kittens`` kittens' invariant kernels too), as ``mok-serve --deterministic``.
 
 Output: ``step_profile_<label>.{json,md}`` in ``--out``.
@@ -65,6 +68,22 @@ def by_kind(per_kernel: dict[str, float]) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+def summary(per_kernel: dict[str, float], wall_ms: float) -> dict:
+    """Wall time, GPU kernel time, time by kind and the 30 longest kernels of a profiled span."""
+    return dict(wall_ms=wall_ms, gpu_us=sum(per_kernel.values()), by_kind_us=by_kind(per_kernel),
+                top_kernels_us=sorted(per_kernel.items(), key=lambda kv: -kv[1])[:30])
+
+
+def _tables(part: dict, unit: str) -> list[str]:
+    lines = [f"| kind | us {unit} | share |", "|---|---|---|"]
+    for kind, us in part["by_kind_us"].items():
+        lines.append(f"| {kind} | {us:.1f} | {us / max(part['gpu_us'], 1e-9):.1%} |")
+    lines += ["", f"| kernel | kind | us {unit} |", "|---|---|---|"]
+    for name, us in part["top_kernels_us"]:
+        lines.append(f"| `{name[:90]}` | {kind_of(name)} | {us:.1f} |")
+    return lines
+
+
 def markdown(result: dict) -> str:
     step = result["decode_step"]
     lines = [f"# One decode step at c=1: {result['label']}", "",
@@ -72,12 +91,13 @@ def markdown(result: dict) -> str:
              f"{result['deterministic']}; {result['gpu']}, commit {result['commit']}, vLLM {result['vllm']}",
              f"- prompt {result['input_len']} tokens, {result['decode_steps']} decode steps measured",
              f"- wall time per decode step: {step['wall_ms']:.3f} ms; GPU kernel time: {step['gpu_us'] / 1e3:.3f} ms", "",
-             "| kind | us per step | share |", "|---|---|---|"]
-    for kind, us in step["by_kind_us"].items():
-        lines.append(f"| {kind} | {us:.1f} | {us / max(step['gpu_us'], 1e-9):.1%} |")
-    lines += ["", "| kernel | kind | us per step |", "|---|---|---|"]
-    for name, us in step["top_kernels_us"]:
-        lines.append(f"| `{name[:90]}` | {kind_of(name)} | {us:.1f} |")
+             *_tables(step, "per step")]
+    prefill = result.get("prefill")
+    if prefill:
+        lines += ["", f"## Prefill of {prefill['prompts']} prompts x {result['input_len']} tokens together "
+                  f"({prefill['prompts'] * result['input_len']} tokens, 1 output token each)", "",
+                  f"- wall time: {prefill['wall_ms']:.1f} ms; GPU kernel time: {prefill['gpu_us'] / 1e3:.1f} ms", "",
+                  *_tables(prefill, "in all")]
     return "\n".join(lines) + "\n"
 
 
@@ -92,12 +112,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--decode-steps", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--prefill-prompts", type=int, default=0,
+                   help="also profile the prefill of this many --input-len prompts submitted together (default: 0, off)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--label", default=None, help="result file label (default: backend and mode)")
     p.add_argument("--out", default=".", help="folder for step_profile_<label>.{json,md}")
     args = p.parse_args(argv)
-    if args.input_len < 1 or args.decode_steps < 1:
-        p.error("--input-len and --decode-steps must be >= 1")
+    if args.input_len < 1 or args.decode_steps < 1 or args.prefill_prompts < 0:
+        p.error("--input-len and --decode-steps must be >= 1, --prefill-prompts >= 0")
+    if args.input_len + args.decode_steps + 1 > args.max_model_len:
+        p.error("--input-len + --decode-steps + 1 must fit in --max-model-len")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if args.deterministic:
         os.environ["VLLM_BATCH_INVARIANT"] = "1"
@@ -123,34 +147,35 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(**kwargs)
     vocab = llm.get_tokenizer().vocab_size
     g = torch.Generator().manual_seed(0)
-    prompt = {"prompt_token_ids": torch.randint(100, min(vocab, 30000), (args.input_len,), generator=g).tolist()}
 
-    def run(tokens: int) -> tuple[dict[str, float], float]:
+    def random_prompt() -> dict:
+        return {"prompt_token_ids": torch.randint(100, min(vocab, 30000), (args.input_len,), generator=g).tolist()}
+
+    def run(prompts: list[dict], tokens: int) -> tuple[dict[str, float], float]:
         params = SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0.0, ignore_eos=True)
-        llm.generate([prompt], params, use_tqdm=False)  # warm: same shapes, nothing compiles inside the profile
+        llm.generate(prompts, params, use_tqdm=False)  # warm: same shapes, nothing compiles inside the profile
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             t0 = time.perf_counter()
-            llm.generate([prompt], params, use_tqdm=False)
+            llm.generate(prompts, params, use_tqdm=False)
             torch.cuda.synchronize()
             wall = time.perf_counter() - t0
         return kernel_times_us(prof), wall
 
-    short, wall_short = run(1)
-    long, wall_long = run(1 + args.decode_steps)
+    prompt = random_prompt()
+    short, wall_short = run([prompt], 1)
+    long, wall_long = run([prompt], 1 + args.decode_steps)
     per_kernel = decode_step(short, long, args.decode_steps)
     label = args.label or f"{args.moe_backend}{'-deterministic' if args.deterministic else ''}"
     result = dict(
         label=label, model=args.model, moe_backend=args.moe_backend, deterministic=args.deterministic,
         input_len=args.input_len, decode_steps=args.decode_steps, gpu=torch.cuda.get_device_name(),
         commit=provenance.git_commit(), vllm=vllm.__version__, date=datetime.datetime.now(datetime.UTC).isoformat(),
-        decode_step=dict(
-            wall_ms=(wall_long - wall_short) / args.decode_steps * 1e3,
-            gpu_us=sum(per_kernel.values()),
-            by_kind_us=by_kind(per_kernel),
-            top_kernels_us=sorted(per_kernel.items(), key=lambda kv: -kv[1])[:30],
-        ),
+        decode_step=summary(per_kernel, (wall_long - wall_short) / args.decode_steps * 1e3),
     )
+    if args.prefill_prompts:
+        prefill, wall = run([random_prompt() for _ in range(args.prefill_prompts)], 1)
+        result["prefill"] = dict(summary(prefill, wall * 1e3), prompts=args.prefill_prompts)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"step_profile_{label}.json").write_text(json.dumps(result, indent=1))
