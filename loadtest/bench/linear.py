@@ -81,8 +81,9 @@ def parse_point(text: str) -> tuple[str, str, int]:
 
 
 def sweep(points, labels, repeats: int, gen) -> list[dict]:
-    """Each label's median replay time per point and repeat, variants interleaved; a variant whose
-    output differs from the default's bits is recorded as such and not timed."""
+    """Each label's median replay time per point and repeat, variants interleaved, with cuBLAS
+    (label ``cublas``) as the baseline; a variant whose output differs from the default's bits is
+    recorded as such and not timed."""
     from mok_serve.kernels.cuda.configs import pick_linear_config
     from mok_serve.kernels.cuda.linear import invariant_linear_triton
 
@@ -102,6 +103,10 @@ def sweep(points, labels, repeats: int, gen) -> list[dict]:
                             floor_ms=floor_ms(rows, n, k), times_ms=[]))
             if same:
                 calls[label] = (fn, out[-1])
+        cublas = dict(model=model, layer=layer, n=n, k=k, rows=rows, label="cublas", same_bits=None,
+                      floor_ms=floor_ms(rows, n, k), times_ms=[])  # the non-invariant GEMM a default server runs
+        out.append(cublas)
+        calls["cublas"] = (lambda: torch.nn.functional.linear(x, w), cublas)
         for _ in range(repeats):
             for label, (fn, rec) in calls.items():
                 rec["times_ms"].append(graph_time(fn)[0])
@@ -117,7 +122,7 @@ def sweep_markdown(meta: dict, results: list[dict]) -> str:
         t = r.get("median_ms")
         time_us = "-" if t is None else f"{t * 1e3:.1f}"
         x_floor = "-" if t is None else f"{t / r['floor_ms']:.2f}"
-        same = "yes" if r["same_bits"] else "**NO**"
+        same = "n/a" if r["same_bits"] is None else "yes" if r["same_bits"] else "**NO**"
         lines.append(f"| {r['model']} | {r['layer']} | {r['rows']} | {r['label']} | {time_us} | {x_floor} | {same} |")
     return "\n".join(lines) + "\n"
 
@@ -253,10 +258,11 @@ def main(argv: list[str] | None = None) -> int:
         history.write([dict(date=meta["date"][:19], commit=meta["commit"], benchmark="linear_sweep", gpu=meta["gpu"],
                             versions=f"torch={meta['torch']} triton={meta['triton']}", shape=f"{r['model']}:{r['layer']}",
                             tokens_or_load=r["rows"], routing="", config=f"variant={r['label']} repeat={i}",
-                            provider="kittens", metric="time_ms", value=t, unit="ms", source="")
+                            provider="cublas" if r["label"] == "cublas" else "kittens", metric="time_ms", value=t,
+                            unit="ms", source="")
                        for r in results for i, t in enumerate(r["times_ms"])], history.resolve(args), "mok-loadtest linear")
         print(text)
-        return 0 if all(r["same_bits"] for r in results) else 1
+        return 0 if all(r["same_bits"] is not False for r in results) else 1
     points = [(m, layer, n, k, r) for m in models for layer, (n, k) in DENSE_LAYERS[m].items() for r in row_counts]
     rows = []
     for m, layer, n, k, r in tqdm(points, desc="dense layers", unit="point"):

@@ -56,9 +56,11 @@ def test_linear_sweep_points_and_table():
     assert set(linear.SWEEP) >= {"default", "split", "no split"}
     meta = dict(gpu="g", commit="c", timing="median")
     results = [dict(model="m", layer="l", rows=8, label="default", same_bits=True, floor_ms=0.01, median_ms=0.02),
-               dict(model="m", layer="l", rows=8, label="x", same_bits=False, floor_ms=0.01)]
+               dict(model="m", layer="l", rows=8, label="x", same_bits=False, floor_ms=0.01),
+               dict(model="m", layer="l", rows=8, label="cublas", same_bits=None, floor_ms=0.01, median_ms=0.01)]
     md = linear.sweep_markdown(meta, results)
     assert "| m | l | 8 | default | 20.0 | 2.00 | yes |" in md and "| m | l | 8 | x | - | - | **NO** |" in md
+    assert "| m | l | 8 | cublas | 10.0 | 1.00 | n/a |" in md
 
 
 def test_multinode_ep_model_counts_are_consistent():
