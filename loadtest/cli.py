@@ -775,6 +775,7 @@ FORWARDED = {
     "layer": ("bench.layer", "one-GPU MoE layer benchmark"),
     "step-profile": ("bench.step_profile", "where one decode step's GPU time goes (c=1, in-process vLLM engine)"),
     "linear": ("bench.linear", "dense layers of a deterministic server: kittens' batch-invariant GEMM vs stock"),
+    "attention": ("bench.attention", "paged attention of a deterministic server: kittens' invariant kernel vs vLLM's"),
     "ep": ("bench.ep", "expert-parallel layer benchmark, a rank per GPU"),
     "ep-scaling": ("bench.ep_scaling", "ep_bench runs of several EP degrees side by side"),
     "invariance": ("invariance", "batch invariance at the server: one greedy probe alone and in batches"),

@@ -8,7 +8,9 @@
 #   bash loadtest/h200_check.sh deterministic-serving OUT  # pytest -m gpu: the --deterministic servers' probe (vLLM)
 #   bash loadtest/h200_check.sh linear OUT [ARGS...]     # mok-loadtest linear: it against cuBLAS and vLLM's invariant GEMM
 #   bash loadtest/h200_check.sh sweep-linear OUT [ARGS...]  # its tile variants at prefill-sized points
-#   bash loadtest/h200_check.sh step-profile OUT SHAPE MOE_BACKEND [--deterministic]  # one decode step at c=1
+#   bash loadtest/h200_check.sh attention OUT [ARGS...]  # mok-loadtest attention: invariant attention against vLLM's
+#   bash loadtest/h200_check.sh step-profile OUT SHAPE MOE_BACKEND [ARGS...]  # one decode step at c=1 (ARGS:
+#                                                      # --deterministic, --prefill-prompts P, --input-len N...)
 # ARGS go to `mok-loadtest layer` (e.g. --shapes, --tokens). `tests` needs no vLLM (a session's
 # first call); the layer steps need vLLM staged from ../shared/gpu-vllm (else no vLLM column).
 # Each step runs under its own time limit, so a hung test still leaves the other steps' logs.
@@ -61,10 +63,12 @@ case $what in
     step "h200_check_sweep_linear_$commit.log" 570 mok-loadtest linear --sweep --no-history --out "$out" \
       --points Qwen3-30B-A3B:qkv_proj:2048 Qwen3-30B-A3B:o_proj:2048 Qwen3-30B-A3B:o_proj:256 \
       Qwen3-30B-A3B:qkv_proj:8192 GLM-4.5-Air:o_proj:2048 GLM-4.5-Air:lm_head:2048 Qwen3-30B-A3B:o_proj:64 "$@" ;;
+  attention)
+    step "h200_check_attention_$commit.log" 570 mok-loadtest attention --out "$out" --no-history "$@" ;;
   step-profile)  # SHAPE (mok-serve build-model --list) MOE_BACKEND [--deterministic]
     model=/tmp/models/$1
     mok-serve build-model --shape "$1" --out "$model" >/dev/null
     step "step_profile_$commit.log" 400 mok-loadtest step-profile "$model" --moe-backend "$2" "${@:3}" \
       --attention-backend TRITON_ATTN --out "$out" ;;
-  *) echo "usage: $0 tests|layer|layer-fp8|sweep-fp8|linear-tests|deterministic-serving|linear|sweep-linear|step-profile OUT [ARGS...]" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|layer|layer-fp8|sweep-fp8|linear-tests|deterministic-serving|linear|sweep-linear|attention|step-profile OUT [ARGS...]" >&2; exit 2 ;;
 esac

@@ -224,13 +224,13 @@ _SEGMENT_PROGRAMS = 16
 
 
 def attention_plan(tokens: int, num_seqs: int, heads: int, kv_heads: int, head_size: int,
-                   max_seq_len: int) -> tuple[int, int, bool]:
+                   max_seq_len: int, block_m: int = BLOCK_M) -> tuple[int, int, bool]:
     """(tokens per query block, query-block grid bound, whether segments split over programs) of a
-    call; static shapes only."""
+    call of ``block_m``-row programs; static shapes only."""
     group = heads // kv_heads
-    if group > BLOCK_M:
-        raise ValueError(f"{group} query heads per KV head: at most {BLOCK_M} supported")
-    block_q = BLOCK_M // triton.next_power_of_2(group)
+    if group > block_m:
+        raise ValueError(f"{group} query heads per KV head: at most {block_m} supported")
+    block_q = block_m // triton.next_power_of_2(group)
     q_blocks = tokens // block_q + num_seqs
     segs = triton.cdiv(max(max_seq_len, 1), SEGMENT)
     workspace = tokens * heads * segs * (triton.next_power_of_2(head_size) + 2) * 4
@@ -241,11 +241,14 @@ def invariant_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
     cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, max_seq_len: int,
     scale: float, window: int | None = None, *, split: bool | None = None, pdl: bool | None = None,
+    block_m: int = BLOCK_M,
 ) -> torch.Tensor:
     """Writes ``out`` ``[tokens, heads, head_size]`` (``q``'s layout) and returns it. ``max_seq_len``:
     a bound on ``seq_lens`` that holds at every replay of a captured call (vLLM: the model's
     ``max_model_len``); it sizes the split path's workspace, and rows of a longer sequence come out
-    NaN there. ``split`` overrides the plan (tests): every path gives the same bits."""
+    NaN there. ``split`` overrides the plan (tests): every path gives the same bits. ``block_m``
+    (query rows per program, a power of two >= 16) is for measurements: its matrix instructions
+    may differ (mma at 16 rows, wgmma from 64), so only one value serves."""
     check_attention_args(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table)
     tokens, heads, head_size = q.shape
     _, page, kv_heads, _ = k_cache.shape
@@ -255,7 +258,8 @@ def invariant_attention_triton(
         raise ValueError("the head dimension of q, out and the caches must be contiguous")
     interpret = interpreting()
     num_seqs = seq_lens.shape[0]
-    block_q, q_blocks, split_by_shape = attention_plan(tokens, num_seqs, heads, kv_heads, head_size, max_seq_len)
+    block_q, q_blocks, split_by_shape = attention_plan(tokens, num_seqs, heads, kv_heads, head_size, max_seq_len,
+                                                       block_m)
     split = split_by_shape if split is None else split
     group = heads // kv_heads
     head_pad = max(16, triton.next_power_of_2(head_size))
@@ -265,7 +269,7 @@ def invariant_attention_triton(
         ml = torch.empty((tokens, heads, max_segs, 2), dtype=torch.float32, device=q.device)
     else:
         part = ml = out
-    consts = dict(GROUP=group, BLOCK_Q=block_q, BLOCK_M=BLOCK_M, HEAD=head_size, HEAD_PAD=head_pad, SEG=SEGMENT,
+    consts = dict(GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD=head_size, HEAD_PAD=head_pad, SEG=SEGMENT,
                   HAS_WINDOW=window is not None)
     _attention_kernel[(q_blocks, kv_heads, min(max_segs, _SEGMENT_PROGRAMS) if split else 1)](
         q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, part, ml,

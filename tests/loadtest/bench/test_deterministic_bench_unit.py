@@ -1,7 +1,7 @@
 """The deterministic-serving benchmarks without a GPU: step-profile's kernel kinds and decode-step
-difference, linear's floor, tables, history rows and sweep points."""
+difference, linear's and attention's floors, tables, history rows and sweep points."""
 
-from mok_serve.loadtest.bench import linear, step_profile
+from mok_serve.loadtest.bench import attention, linear, step_profile
 
 
 def test_kernel_kinds():
@@ -98,3 +98,22 @@ def test_benchmark_routings_are_a_routers_top_k():
     assert load(make_routing(100, 64, 8, "concentrated", g, "cpu")[1]).count_nonzero() == 8
     with pytest.raises(ValueError, match="routing 'zipf'"):
         make_routing(4, 64, 8, "zipf", g, "cpu")
+
+
+def test_attention_bench_pairs_floor_table_and_rows():
+    assert attention.visible_pairs([(1, 512)]) == 512  # a decode token sees every key
+    assert attention.visible_pairs([(4, 4)]) == 1 + 2 + 3 + 4
+    assert attention.visible_pairs([(2, 10)]) == 9 + 10
+    # decode: bound by reading the cache; prefill: by FLOPs
+    seqs = [(1, 4096)]
+    assert attention.floor_ms(seqs, 32, 4, 128) == (2 * 4096 * 4 + 2 * 32) * 128 * 2 / attention.PEAK_BYTES * 1e3
+    seqs = [(4096, 4096)]
+    assert attention.floor_ms(seqs, 32, 4, 128) == 4.0 * 128 * 32 * 4096 * 4097 / 2 / attention.PEAK_FLOPS * 1e3
+    meta = dict(gpu="g", commit="c", date="2026-12-04T00:00:00+00:00", torch="t", triton="tr", vllm="v",
+                timing="median")
+    rows = [dict(model="Qwen3-30B-A3B", call="decode 1 x 512", tokens=1, seqs=1, floor_ms=0.002, kittens_ms=0.01,
+                 vllm_ms=0.02, kittens_x_floor=5.0, speedup_vs_vllm=2.0)]
+    md = attention.markdown(meta, rows, ["kittens", "vllm"])
+    assert "| Qwen3-30B-A3B | decode 1 x 512 | 1 | 2.0 | 10.0 | 20.0 | 5.00 | 2.00x |" in md
+    hist = attention.history_rows(meta, rows, ["kittens", "vllm"])
+    assert [h["provider"] for h in hist] == ["kittens", "vllm", "floor"]
