@@ -136,7 +136,7 @@ def _store_rows(out_ptr, O, L, token, head, row_ok, bad, stride_ot, stride_oh,
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d < HEAD)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])  # per-call: one compile whether a call has 1, 16 or 17 sequences
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr, part_ptr, ml_ptr,
     num_seqs, scale, window, max_segs,
@@ -183,7 +183,7 @@ def _attention_kernel(
         _store_rows(out_ptr, O, L, token, head, row_ok, row_ok & False, stride_ot, stride_oh, HEAD, HEAD_PAD)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _attention_merge_kernel(
     out_ptr, cu_q_ptr, seq_lens_ptr, part_ptr, ml_ptr, num_seqs, window, max_segs,
     stride_ot, stride_oh,

@@ -58,46 +58,6 @@ def _chunk_sum(
 
 
 @triton.jit
-def _chunk_sums_one_loop(
-    x_ptr, w_ptr, w_desc, offs_m, row_ok, offs_n, n_ok, pid_n, K, K_CHUNK,
-    stride_xm, stride_xk, stride_wn, stride_wk,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, SWAP_AB: tl.constexpr,
-    DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-):
-    """``P_0 + P_1 + ...`` of the tile (the chunk sums of ``_chunk_sum``, added in chunk order) in
-    one K loop: a chunk's sum joins the total at its last K block and the accumulator starts again
-    from zero, so the loads stay pipelined across chunk boundaries (a loop per chunk drains and
-    refills the pipeline at each)."""
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
-    if not USE_TMA:
-        w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
-    acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
-    total = acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        k_ok = offs_k < K - k0
-        a = load_rows(a_ptrs, row_ok, k_ok, EVEN_K)
-        if USE_TMA:
-            b = w_desc.load([pid_n * BLOCK_N, k0]).T
-        else:
-            b = load_cols(w_ptrs, n_ok, k_ok, EVEN_K, EVEN_N)
-            w_ptrs += BLOCK_K * stride_wk
-        acc = mma(a, b, acc, DOT_IEEE, DOT_F32, SWAP_AB)
-        a_ptrs += BLOCK_K * stride_xk
-        k_end = k0 + BLOCK_K
-        if (k_end % K_CHUNK == 0) | (k_end >= K):
-            if k_end <= K_CHUNK:
-                total = acc  # P_0 itself, not 0 + P_0 (keeps -0.0)
-            else:
-                total += acc
-            acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
-    if SWAP_AB:
-        total = tl.trans(total)
-    return total
-
-
-@triton.jit
 def _store_rows(total, bias_ptr, y_ptr, offs_m, row_ok, offs_n, n_ok, stride_ym,
                 HAS_BIAS: tl.constexpr, RNE_FIX: tl.constexpr):
     """``y[offs_m, offs_n] = round(total + bias)``: the bias added in fp32, one rounding."""
@@ -107,20 +67,18 @@ def _store_rows(total, bias_ptr, y_ptr, offs_m, row_ok, offs_n, n_ok, stride_ym,
     tl.store(y_ptrs, cast(total, y_ptr.dtype.element_ty, RNE_FIX), mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "stride_part"])  # per-call row counts: one compile for every count
 def _linear_kernel(
     x_ptr, w_ptr, w_desc, bias_ptr, y_ptr, part_ptr, M, N, K, K_CHUNK,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_part,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    STAGES: tl.constexpr, SPLIT: tl.constexpr, MULTI_CHUNK: tl.constexpr, ONE_K_LOOP: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    STAGES: tl.constexpr, SPLIT: tl.constexpr, MULTI_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, SWAP_AB: tl.constexpr,
     DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (tile[, chunk]): with ``SPLIT`` the fp32 sum of chunk ``program_id(1)`` into
     ``part[chunk]`` ([chunks, M, N]); else the tile's chunk sums added in chunk order, the bias, one
-    rounding into ``y``. ``MULTI_CHUNK``: K holds more than one chunk (else one accumulator);
-    ``ONE_K_LOOP``: the chunks of an unsplit multi-chunk call in one K loop (else a loop each)."""
+    rounding into ``y``. ``MULTI_CHUNK``: K holds more than one chunk (else one accumulator)."""
     grid_dependency(PDL)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -136,11 +94,6 @@ def _linear_kernel(
                          BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K, EVEN_N, USE_TMA, SWAP_AB, DOT_IEEE, DOT_F32)
         p_ptrs = part_ptr + tl.program_id(1).to(tl.int64) * stride_part + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
         tl.store(p_ptrs, acc, mask=row_ok[:, None] & n_ok[None, :])
-    elif ONE_K_LOOP:
-        total = _chunk_sums_one_loop(x_ptr, w_ptr, w_desc, offs_m, row_ok, offs_n, n_ok, pid_n, K, K_CHUNK,
-                                     stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                                     EVEN_K, EVEN_N, USE_TMA, SWAP_AB, DOT_IEEE, DOT_F32)
-        _store_rows(total, bias_ptr, y_ptr, offs_m, row_ok, offs_n, n_ok, stride_ym, HAS_BIAS, DOT_F32)
     else:
         total = _chunk_sum(x_ptr, w_ptr, w_desc, offs_m, row_ok, offs_n, n_ok, pid_n, 0, tl.minimum(K_CHUNK, K), K,
                            stride_xm, stride_xk, stride_wn, stride_wk,
@@ -154,7 +107,7 @@ def _linear_kernel(
         _store_rows(total, bias_ptr, y_ptr, offs_m, row_ok, offs_n, n_ok, stride_ym, HAS_BIAS, DOT_F32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "stride_part"])
 def _linear_reduce_kernel(
     part_ptr, bias_ptr, y_ptr, M, N, NUM_CHUNKS, stride_ym, stride_part,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, RNE_FIX: tl.constexpr, PDL: tl.constexpr,
@@ -211,7 +164,7 @@ def invariant_linear_triton(
     interpret = interpreting()
     g, chunk, split_by_shape = linear_plan(m, n, k, config)
     split = split_by_shape if split is None else (split and chunk < k)
-    g = gemm_config(g, x, interpret, GROUP_M=1, SWAP_AB=False, ONE_K_LOOP=False)
+    g = gemm_config(g, x, interpret, GROUP_M=1, SWAP_AB=False)
     bm, bn, bk = g["BLOCK_M"], g["BLOCK_N"], g["BLOCK_K"]
     if 128 % bk:
         raise ValueError(f"BLOCK_K must divide the chunk alignment 128, got {bk}")
@@ -230,7 +183,7 @@ def invariant_linear_triton(
         rows, weight, w_desc, b, y, part, m, n, k, chunk,
         rows.stride(0), rows.stride(1), weight.stride(0), weight.stride(1), y.stride(0), m * n,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=g["GROUP_M"], STAGES=g["num_stages"], SPLIT=split,
-        MULTI_CHUNK=chunks > 1, ONE_K_LOOP=g["ONE_K_LOOP"] and chunks > 1 and not split, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, EVEN_N=n % bn == 0,
+        MULTI_CHUNK=chunks > 1, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, EVEN_N=n % bn == 0,
         USE_TMA=g["USE_TMA"], SWAP_AB=g["SWAP_AB"], **common,
         num_warps=g["num_warps"], num_stages=g["num_stages"], **pdl_launch(y, pdl, interpret),
     )

@@ -1,6 +1,7 @@
-"""Batch-invariant RMSNorm on CUDA (``invariant_rms_norm``; the function is in ``../norm.py``): one
-program per row, the whole row in registers, its square sum by one ``tl.sum`` whose tree depends on
-the row length alone (the block and warp count are functions of H)."""
+"""Batch-invariant RMSNorm on CUDA (``invariant_rms_norm``; the function is in ``../norm.py``): a
+program normalizes ``rows_per_program(H)`` whole rows in registers, each row's square sum by one
+``tl.sum`` whose tree depends on the row length alone (rows per program, block and warp count are
+functions of H)."""
 
 from __future__ import annotations
 
@@ -17,24 +18,30 @@ from .tiles import cast, grid_dependency
 __all__ = ["invariant_rms_norm_triton"]
 
 
-@triton.jit
-def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, z_ptr, H, eps, stride_x, stride_r, stride_y, stride_z,
-                     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+@triton.jit(do_not_specialize=["n_rows"])  # per-call row count: one compile for every count
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, z_ptr, n_rows, H, eps, stride_x, stride_r, stride_y, stride_z,
+                     ROWS: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
                      RNE_FIX: tl.constexpr, PDL: tl.constexpr):
     grid_dependency(PDL)
-    row = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
-    ok = cols < H
-    z = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    ok = (rows < n_rows)[:, None] & (cols < H)[None, :]
+    z = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=ok, other=0.0)
     if HAS_RESIDUAL:
-        r = tl.load(r_ptr + row * stride_r + cols, mask=ok, other=0.0)
+        r = tl.load(r_ptr + rows[:, None] * stride_r + cols[None, :], mask=ok, other=0.0)
         z = cast(z.to(tl.float32) + r.to(tl.float32), z_ptr.dtype.element_ty, RNE_FIX)
-        tl.store(z_ptr + row * stride_z + cols, z, mask=ok)
+        tl.store(z_ptr + rows[:, None] * stride_z + cols[None, :], z, mask=ok)
     zf = z.to(tl.float32)
-    y = zf * tl.rsqrt(tl.sum(zf * zf, axis=0) / H + eps)
+    y = zf * tl.rsqrt(tl.sum(zf * zf, axis=1) / H + eps)[:, None]
     if HAS_WEIGHT:
-        y = y * tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_y + cols, cast(y, y_ptr.dtype.element_ty, RNE_FIX), mask=ok)
+        y = y * tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], cast(y, y_ptr.dtype.element_ty, RNE_FIX), mask=ok)
+
+
+def rows_per_program(h: int) -> int:
+    """Rows a program normalizes: short rows (per-head q/k norms, 128 wide) share a program so that
+    each has 2048 elements; a function of H alone, as the sum tree (the tile's layout) must be."""
+    return max(1, 2048 // triton.next_power_of_2(h))
 
 
 def invariant_rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
@@ -54,10 +61,11 @@ def invariant_rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps:
     w = weight.contiguous() if weight is not None else x2
     block = triton.next_power_of_2(h)
     interpret = interpreting()
-    _rms_norm_kernel[(rows,)](
-        x2, r2, w, y, z if residual is not None else y, h, eps, x2.stride(0), r2.stride(0), y.stride(0),
+    per_program = rows_per_program(h)
+    _rms_norm_kernel[(triton.cdiv(rows, per_program),)](
+        x2, r2, w, y, z if residual is not None else y, rows, h, eps, x2.stride(0), r2.stride(0), y.stride(0),
         h if residual is not None else 0,
-        BLOCK=block, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, RNE_FIX=interpret,
+        ROWS=per_program, BLOCK=block, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, RNE_FIX=interpret,
         num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16, **pdl_launch(y, pdl, interpret),
     )
     return y.view(x.shape), (z.view(x.shape) if residual is not None else z)

@@ -57,11 +57,6 @@ SWEEP = {
     "128x128 s4 w8": (dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=4, num_warps=8, SWAP_AB=False, GROUP_M=8), None),
     "128x256 s3 w8": (dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_stages=3, num_warps=8, SWAP_AB=False, GROUP_M=8), None),
     "128x128 k128 s3 w8": (dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_stages=3, num_warps=8, SWAP_AB=False, GROUP_M=8), None),
-    "one loop": (dict(ONE_K_LOOP=True), None),
-    "one loop 128x128 s3 w8": (dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=3, num_warps=8, SWAP_AB=False, GROUP_M=8, ONE_K_LOOP=True), None),
-    "one loop 128x256 s3 w8": (dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_stages=3, num_warps=8, SWAP_AB=False, GROUP_M=8, ONE_K_LOOP=True), None),
-    "one loop 64x128 no split": (dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_stages=4, num_warps=4, SWAP_AB=False, GROUP_M=8, ONE_K_LOOP=True), False),
-    "one loop 64x64 no split": (dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_stages=4, num_warps=4, SWAP_AB=False, GROUP_M=8, ONE_K_LOOP=True), False),
     "swap 64x64 s4": (dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_stages=4, num_warps=4, SWAP_AB=True, GROUP_M=1), None),
     "swap 16x128 s4": (dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_stages=4, num_warps=4, SWAP_AB=True, GROUP_M=1), None),
 }

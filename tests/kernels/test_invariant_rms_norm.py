@@ -57,13 +57,14 @@ def test_triton_kernel_under_the_interpreter(dtype, monkeypatch):
 COMPILE = r"""
 from mok_serve.kernels.cuda import norm
 
-for h in (64, 2048, 4096, 7168, 16384):
+for h in (64, 128, 2048, 4096, 7168, 16384):
     for residual in (False, True):
         block = triton.next_power_of_2(h)
         build(f"norm_{h}_{residual}", norm._rms_norm_kernel,
-              dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", z_ptr="*bf16", eps="fp32"),
+              dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", z_ptr="*bf16", n_rows="i32", eps="fp32"),
               dict(H=h, stride_x=h, stride_r=h, stride_y=h, stride_z=h),
-              dict(BLOCK=block, HAS_RESIDUAL=residual, HAS_WEIGHT=True, RNE_FIX=False, PDL=True),
+              dict(ROWS=norm.rows_per_program(h), BLOCK=block, HAS_RESIDUAL=residual, HAS_WEIGHT=True, RNE_FIX=False,
+                   PDL=True),
               4 if block <= 1024 else 8 if block <= 4096 else 16, 1)
 """
 
@@ -73,6 +74,6 @@ def test_kernel_compiles_for_sm90_without_spills(tmp_path):
     from sm90_compile import compile_for_sm90, no_spills
 
     results = compile_for_sm90(COMPILE, tmp_path)
-    assert len(results) == 10
+    assert len(results) == 12
     for name, r in results.items():
         assert no_spills(r["ptxas"]), (name, r["ptxas"])
