@@ -54,9 +54,11 @@ case $what in
   linear-tests)
     step "invariant_gpu_tests_$commit.log" 400 python3 -m pytest -m gpu -q tests/kernels/test_invariant_linear_gpu.py \
       tests/kernels/test_invariant_attention_gpu.py tests/kernels/test_invariant_rms_norm_gpu.py ;;
-  deterministic-serving)
+  deterministic-serving)  # servers' logs and probes in one archive (a call brings back a bounded number of files)
     MOK_TEST_LOG_DIR=$out/deterministic_serving step "deterministic_serving_gpu_tests_$commit.log" 570 \
-      python3 -m pytest -m gpu -q tests/server/test_deterministic_serving_gpu.py ;;
+      python3 -m pytest -m gpu -q tests/server/test_deterministic_serving_gpu.py
+    cp "$out/deterministic_serving/summary.md" "$out/deterministic_serving_summary_$commit.md"
+    tar czf "$out/deterministic_serving_$commit.tgz" -C "$out" deterministic_serving && rm -rf "$out/deterministic_serving" ;;
   linear)
     step "h200_check_linear_$commit.log" 570 mok-loadtest linear --out "$out" --no-history "$@" ;;
   sweep-linear)
