@@ -10,18 +10,16 @@ The function (every implementation here computes it; bit for bit on one device f
 kernels of ``cuda/attention.py``): for query token ``t`` at absolute position ``p`` of its sequence
 and query head ``h`` (KV head ``h // (num_heads / num_kv_heads)``), the visible keys are ``[lo, p]``
 (``lo = 0``, or ``p - window`` with a sliding window). Keys are cut into segments of ``SEGMENT``
-keys at absolute positions (segment ``s`` = keys ``[s * SEGMENT, (s + 1) * SEGMENT)``), each into
-tiles of ``TILE`` keys. Inside a segment, an online softmax over its tiles in order from
-``(m, l, acc) = (-inf, 0, 0)``: scores ``q . k * scale`` in fp32, keys outside ``[lo, p]`` at
-``-inf``; ``m' = max(m, max scores)``, ``l' = l * e^(m - m') + sum e^(s - m')``, ``acc' = acc *
-e^(m - m') + P @ V`` with ``P = e^(s - m')`` rounded to the value dtype; a tile without a visible
-key leaves the state untouched. Then the segments with a visible key are merged in increasing
-order from ``(-inf, 0, 0)``: ``M' = max(M, m)``, ``L' = L e^(M - M') + l e^(m - M')``, ``O' = O e^(M -
-M') + acc e^(m - M')``. The output is ``O / L`` rounded once. Every boundary is an absolute key
-position and no step depends on other tokens, so the result is a function of the token's own
-query, keys and values: the same in any batch, chunk or number of programs. (Exponentials are
-``exp`` in fp32; the Triton kernels and this reference differ in their roundings, not in the
-function.)
+keys at absolute positions (segment ``s`` = keys ``[s * SEGMENT, (s + 1) * SEGMENT)``). For each
+segment with a visible key: scores ``q . k * scale`` in fp32 (keys outside ``[lo, p]`` at ``-inf``),
+``m`` their max, ``P = e^(s - m)`` rounded to the value dtype, ``l = sum P`` and ``acc = P @ V``
+in fp32. The segments are then merged in increasing order from ``(-inf, 0, 0)``: ``M' = max(M,
+m)``, ``L' = L e^(M - M') + l e^(m - M')``, ``O' = O e^(M - M') + acc e^(m - M')``. The output is
+``O / L`` rounded once. Every boundary is an absolute key position and no step depends on other
+tokens, so the result is a function of the token's own query, keys and values: the same in any
+batch, chunk or number of programs. (Exponentials are ``exp`` in fp32; the Triton kernels and this
+reference differ in their roundings, not in the function: the kernels' sums over a segment's keys
+are the tensor cores' k-step chains, ``l`` among them as ``P @ 1``.)
 
 ``attention_reference`` below computes it in plain torch, one token at a time (tests). The
 Triton kernels run the segments of a call inside one program per query block and KV head, or,
@@ -35,10 +33,9 @@ import math
 
 import torch
 
-__all__ = ["SEGMENT", "TILE", "attention_reference", "check_attention_args"]
+__all__ = ["SEGMENT", "attention_reference", "check_attention_args"]
 
-SEGMENT = 64  # keys per segment: a multiple of TILE
-TILE = 32  # keys per tile
+SEGMENT = 64  # keys per segment: the kernels' key tile, and a tensor-core M side (64) when keys are one
 
 
 def check_attention_args(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table) -> None:
@@ -97,18 +94,12 @@ def _one_query(q, k, v, p, lo, scale):
     L = torch.tensor(0.0)
     O = torch.zeros(q.shape[0])
     for s in range(lo // SEGMENT, p // SEGMENT + 1):
-        m, l, acc = torch.tensor(-math.inf), torch.tensor(0.0), torch.zeros(q.shape[0])
-        for t0 in range(s * SEGMENT, (s + 1) * SEGMENT, TILE):
-            a, b = max(t0, lo), min(t0 + TILE, p + 1)
-            if a >= b:
-                continue
-            scores = (k[a:b].float() @ q.float()) * scale
-            m_new = torch.maximum(m, scores.max())
-            alpha, probs = torch.exp(m - m_new), torch.exp(scores - m_new)
-            l = l * alpha + probs.sum()
-            acc = acc * alpha + probs.to(v.dtype).float() @ v[a:b].float()
-            m = m_new
+        a, b = max(s * SEGMENT, lo), min((s + 1) * SEGMENT, p + 1)
+        scores = (k[a:b].float() @ q.float()) * scale
+        m = scores.max()
+        probs = torch.exp(scores - m).to(v.dtype).float()
+        l, acc = probs.sum(), probs @ v[a:b].float()
         M_new = torch.maximum(M, m)
-        a, b = torch.exp(M - M_new), torch.exp(m - M_new)
-        L, O, M = L * a + l * b, O * a + acc * b, M_new
+        e_old, e_new = torch.exp(M - M_new), torch.exp(m - M_new)
+        L, O, M = L * e_old + l * e_new, O * e_old + acc * e_new, M_new
     return (O / L).to(q.dtype)

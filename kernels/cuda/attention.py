@@ -1,11 +1,18 @@
 """Batch-invariant paged attention on CUDA (``invariant_attention``; the function is in ``../attention.py``).
 
 A program owns one query block (``BLOCK_Q`` tokens of one sequence times the ``GROUP`` query heads
-of one KV head: ``BLOCK_M`` rows, the same tile for decode and prefill rows) and either every
-segment its rows see, merged in order inside the program (``_attention_kernel``), or one segment
-(``SPLIT``: grid axis 2) whose (m, l, acc) it writes to a workspace that ``_attention_merge_kernel``
-merges in the same order. Both run the same ``_segment`` and ``_merge`` code, so a row's bits do
-not depend on the path, its block's other rows or the call.
+of one KV head: ``BLOCK_M`` rows) and either every segment its rows see, merged in order inside the
+program (``_attention_kernel``), or one segment (``SPLIT``: grid axis 2) whose (m, l, acc) it writes
+to a workspace that ``_attention_merge_kernel`` merges in the same order.
+
+Every sum over keys or head dimensions is a chain of 16-deep tensor-core k-steps (wgmma), which
+gives an element the same bits whichever operand it sits in. Prefill-shaped calls run 64-row
+blocks (``q @ K^T``: rows on wgmma's M side); decode calls (one query token per sequence: 8-16 rows
+of a block are real) run 16-row blocks with the operands swapped (``K @ q^T``: a segment's 64 keys,
+or the head dimension, on the M side), so no tile is mostly padding. A segment's ``l`` is ``P @ 1``
+on the tensor cores too, not a register reduction, whose tree would follow the layout. Same
+segments, same merges in the same order on every path: a row's bits depend on none of the path,
+its block's other rows or the call.
 """
 
 from __future__ import annotations
@@ -14,13 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ..attention import SEGMENT, TILE, check_attention_args
+from ..attention import SEGMENT, check_attention_args
 from .launch import interpreting, pdl_launch
 from .tiles import grid_dependency
 
-__all__ = ["invariant_attention_triton", "attention_plan"]
+__all__ = ["attention_plan", "invariant_attention_triton", "num_warps"]
 
-BLOCK_M = 16  # query rows per program (tokens x query heads of one KV head): one tile shape for every call
+PREFILL_ROWS = 64  # query rows of a program in a call with prefill tokens (wgmma's M side)
+DECODE_ROWS = 16  # query rows of a program in a decode call, operands swapped (wgmma's N side)
 
 
 @triton.jit
@@ -45,60 +53,70 @@ def _find_block(cu_q_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
 def _segment(q, k_ptr, v_ptr, bt_row_ptr, kv_head, seq_len, seg, pos, lo, scale,
              stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
              PAGE: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-             SEG: tl.constexpr, TILE_K: tl.constexpr, DOT_F32: tl.constexpr):
+             SEG: tl.constexpr, SWAP: tl.constexpr, DOT_F32: tl.constexpr):
     """(m, l, acc) of segment ``seg`` for the block's rows (positions ``pos``, first visible key
-    ``lo``): an online softmax over its tiles in order; a tile without a visible key for a row
-    leaves that row's state as it was (bit for bit)."""
+    ``lo``): m the max visible score, P = e^(s - m) in the value dtype, l = P @ 1, acc = P @ V; a
+    row without a visible key gets l = 0. ``q`` is [BLOCK_M, HEAD_PAD], or its transpose with
+    ``SWAP``, and so is ``acc``."""
     offs_d = tl.arange(0, HEAD_PAD)
     d_ok = offs_d < HEAD
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-    for t0 in tl.static_range(0, SEG, TILE_K):
-        keys = seg * SEG + t0 + tl.arange(0, TILE_K)
-        key_ok = keys < seq_len
-        page = tl.load(bt_row_ptr + keys // PAGE, mask=key_ok, other=0).to(tl.int64)
-        slot = keys % PAGE
-        k_off = page * stride_kb + slot * stride_ks + kv_head * stride_kh
-        v_off = page * stride_vb + slot * stride_vs + kv_head * stride_vh
+    keys = seg * SEG + tl.arange(0, SEG)
+    key_ok = keys < seq_len
+    page = tl.load(bt_row_ptr + keys // PAGE, mask=key_ok, other=0).to(tl.int64)
+    slot = keys % PAGE
+    k_off = page * stride_kb + slot * stride_ks + kv_head * stride_kh
+    v_off = page * stride_vb + slot * stride_vs + kv_head * stride_vh
+    if SWAP:  # keys on the M side: [SEG, BLOCK_M] scores
+        k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+        s = _dot(k, q, DOT_F32) * scale
+        visible = (keys[:, None] <= pos[None, :]) & (keys[:, None] >= lo[None, :])
+        s = tl.where(visible, s, float("-inf"))
+        m = tl.max(s, axis=0)
+        p = tl.exp(s - tl.where(m == float("-inf"), 0.0, m)[None, :])
+        vt = tl.load(v_ptr + v_off[None, :] + offs_d[:, None], mask=key_ok[None, :] & d_ok[:, None], other=0.0)
+        p_v = p.to(vt.dtype)
+        acc = _dot(vt, p_v, DOT_F32)  # [HEAD_PAD, BLOCK_M]
+        ones = tl.full([64, SEG], 1.0, p_v.dtype)  # 64 rows: wgmma's M side (every row the same sums)
+        l = tl.max(_dot(ones, p_v, DOT_F32), axis=0)
+    else:  # query rows on the M side: [BLOCK_M, SEG] scores
         kt = tl.load(k_ptr + k_off[None, :] + offs_d[:, None], mask=key_ok[None, :] & d_ok[:, None], other=0.0)
-        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
-        if DOT_F32:  # fp32 data, and the interpreter (which mis-multiplies bf16 dots): fp32 ieee dots
-            s = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
-        else:
-            s = tl.dot(q, kt)
-        s = s * scale
+        s = _dot(q, kt, DOT_F32) * scale
         visible = (keys[None, :] <= pos[:, None]) & (keys[None, :] >= lo[:, None])
         s = tl.where(visible, s, float("-inf"))
-        any_visible = tl.max(visible.to(tl.int32), axis=1) > 0
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_new = l * alpha + tl.sum(p, axis=1)
+        m = tl.max(s, axis=1)
+        p = tl.exp(s - tl.where(m == float("-inf"), 0.0, m)[:, None])
+        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
         p_v = p.to(v.dtype)
-        if DOT_F32:
-            pv = tl.dot(p_v.to(tl.float32), v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p_v, v)
-        acc_new = acc * alpha[:, None] + pv
-        m = tl.where(any_visible, m_new, m)
-        l = tl.where(any_visible, l_new, l)
-        acc = tl.where(any_visible[:, None], acc_new, acc)
+        acc = _dot(p_v, v, DOT_F32)  # [BLOCK_M, HEAD_PAD]
+        ones = tl.full([SEG, 16], 1.0, p_v.dtype)
+        l = tl.max(_dot(p_v, ones, DOT_F32), axis=1)
     return m, l, acc
 
 
 @triton.jit
-def _merge(M, L, O, m, l, acc):
-    """Merge a segment's (m, l, acc) into the running (M, L, O) where the segment saw a key (l > 0)."""
+def _dot(a, b, DOT_F32: tl.constexpr):
+    if DOT_F32:  # fp32 data, and the interpreter (which mis-multiplies bf16 dots): fp32 ieee dots
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        c = tl.dot(a, b)
+    return c
+
+
+@triton.jit
+def _merge(M, L, O, m, l, acc, SWAP: tl.constexpr):
+    """Merge a segment's (m, l, acc) into the running (M, L, O) where the segment saw a key (l > 0);
+    O and acc transposed with ``SWAP``."""
     has = l > 0
     M_new = tl.maximum(M, m)
     M_safe = tl.where(M_new == float("-inf"), 0.0, M_new)
     a = tl.exp(M - M_safe)
     b = tl.exp(m - M_safe)
     L_new = L * a + l * b
-    O_new = O * a[:, None] + acc * b[:, None]
-    return tl.where(has, M_new, M), tl.where(has, L_new, L), tl.where(has[:, None], O_new, O)
+    if SWAP:
+        O = tl.where(has[None, :], O * a[None, :] + acc * b[None, :], O)
+    else:
+        O = tl.where(has[:, None], O * a[:, None] + acc * b[:, None], O)
+    return tl.where(has, M_new, M), tl.where(has, L_new, L), O
 
 
 @triton.jit
@@ -127,13 +145,18 @@ def _rows(cu_q_ptr, seq_lens_ptr, pid_q, kv_head, num_seqs, window,
 
 @triton.jit
 def _store_rows(out_ptr, O, L, token, head, row_ok, bad, stride_ot, stride_oh,
-                HEAD: tl.constexpr, HEAD_PAD: tl.constexpr):
-    """``out[token, head] = O / L`` rounded once; rows marked ``bad`` NaN."""
+                HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, SWAP: tl.constexpr):
+    """``out[token, head] = O / L`` rounded once (O transposed with ``SWAP``); rows marked ``bad`` NaN."""
     offs_d = tl.arange(0, HEAD_PAD)
-    out = O / tl.where(L > 0, L, 1.0)[:, None]  # (rows past the block's tokens: never stored)
-    out = tl.where(bad[:, None], float("nan"), out)
-    tl.store(out_ptr + token.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d < HEAD)[None, :])
+    L_safe = tl.where(L > 0, L, 1.0)  # (rows past the block's tokens: never stored)
+    if SWAP:
+        out = tl.where(bad[None, :], float("nan"), O / L_safe[None, :])
+        ptrs = out_ptr + token.to(tl.int64)[None, :] * stride_ot + head[None, :] * stride_oh + offs_d[:, None]
+        tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[None, :] & (offs_d < HEAD)[:, None])
+    else:
+        out = tl.where(bad[:, None], float("nan"), O / L_safe[:, None])
+        ptrs = out_ptr + token.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d < HEAD)[None, :])
 
 
 @triton.jit(do_not_specialize=["num_seqs"])  # per-call: one compile whether a call has 1, 16 or 17 sequences
@@ -143,8 +166,8 @@ def _attention_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr,
-    HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, SEG: tl.constexpr, TILE_K: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+    HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, SEG: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    SWAP: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
     grid_dependency(PDL)
     kv_head = tl.program_id(1)
@@ -154,8 +177,11 @@ def _attention_kernel(
         return
     offs_d = tl.arange(0, HEAD_PAD)
     d_ok = offs_d < HEAD
-    q = tl.load(q_ptr + token.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_rows = token.to(tl.int64) * stride_qt + head * stride_qh
+    if SWAP:
+        q = tl.load(q_ptr + q_rows[None, :] + offs_d[:, None], mask=row_ok[None, :] & d_ok[:, None], other=0.0)
+    else:
+        q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
     if SPLIT:
         # Program j of axis 2 computes the segments s = j (mod its size), each kept apart: the
@@ -166,21 +192,27 @@ def _attention_kernel(
         for seg in range(seg0, tl.minimum(last, max_segs - 1) + 1, step):
             m, l, acc = _segment(q, k_ptr, v_ptr, bt_row_ptr, kv_head, seq_len, seg, pos, lo, scale,
                                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                                 PAGE, HEAD, HEAD_PAD, BLOCK_M, SEG, TILE_K, DOT_F32)
+                                 PAGE, HEAD, HEAD_PAD, BLOCK_M, SEG, SWAP, DOT_F32)
             cell = (token.to(tl.int64) * tl.num_programs(1) * GROUP + head) * max_segs + seg  # [tokens, heads, segs]
-            tl.store(part_ptr + cell[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
+            if SWAP:
+                tl.store(part_ptr + cell[None, :] * HEAD_PAD + offs_d[:, None], acc, mask=row_ok[None, :])
+            else:
+                tl.store(part_ptr + cell[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
             tl.store(ml_ptr + cell * 2, m, mask=row_ok)
             tl.store(ml_ptr + cell * 2 + 1, l, mask=row_ok)
     else:
         M = tl.full([BLOCK_M], float("-inf"), tl.float32)
         L = tl.zeros([BLOCK_M], tl.float32)
-        O = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+        if SWAP:
+            O = tl.zeros([HEAD_PAD, BLOCK_M], tl.float32)
+        else:
+            O = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
         for seg in range(first, last + 1):
             m, l, acc = _segment(q, k_ptr, v_ptr, bt_row_ptr, kv_head, seq_len, seg, pos, lo, scale,
                                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                                 PAGE, HEAD, HEAD_PAD, BLOCK_M, SEG, TILE_K, DOT_F32)
-            M, L, O = _merge(M, L, O, m, l, acc)
-        _store_rows(out_ptr, O, L, token, head, row_ok, row_ok & False, stride_ot, stride_oh, HEAD, HEAD_PAD)
+                                 PAGE, HEAD, HEAD_PAD, BLOCK_M, SEG, SWAP, DOT_F32)
+            M, L, O = _merge(M, L, O, m, l, acc, SWAP)
+        _store_rows(out_ptr, O, L, token, head, row_ok, row_ok & False, stride_ot, stride_oh, HEAD, HEAD_PAD, SWAP)
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
@@ -210,9 +242,10 @@ def _attention_merge_kernel(
         m = tl.load(ml_ptr + cell * 2, mask=sees, other=float("-inf"))
         l = tl.load(ml_ptr + cell * 2 + 1, mask=sees, other=0.0)
         acc = tl.load(part_ptr + cell[:, None] * HEAD_PAD + offs_d[None, :], mask=sees[:, None], other=0.0)
-        M, L, O = _merge(M, L, O, m, l, acc)
+        M, L, O = _merge(M, L, O, m, l, acc, False)
     # A KV length past the bound: segments the workspace could not hold, so the row is poisoned.
-    _store_rows(out_ptr, O, L, token, head, row_ok, pos // SEG >= max_segs, stride_ot, stride_oh, HEAD, HEAD_PAD)
+    _store_rows(out_ptr, O, L, token, head, row_ok, pos // SEG >= max_segs, stride_ot, stride_oh, HEAD, HEAD_PAD,
+                False)
 
 
 # Split segments over programs while the call has fewer (query block, KV head) programs than this,
@@ -223,32 +256,45 @@ _SPLIT_MAX_BYTES = 256 << 20
 _SEGMENT_PROGRAMS = 16
 
 
+def num_warps(swap: bool) -> int:
+    """Warps of an attention program: two warpgroups for 64-row blocks (registers for the 64 x 64
+    scores beside the 64 x head accumulator), one for swapped 16-row ones."""
+    return 4 if swap else 8
+
+
 def attention_plan(tokens: int, num_seqs: int, heads: int, kv_heads: int, head_size: int,
-                   max_seq_len: int, block_m: int = BLOCK_M) -> tuple[int, int, bool]:
-    """(tokens per query block, query-block grid bound, whether segments split over programs) of a
-    call of ``block_m``-row programs; static shapes only."""
-    group = heads // kv_heads
-    if group > block_m:
-        raise ValueError(f"{group} query heads per KV head: at most {block_m} supported")
-    block_q = block_m // triton.next_power_of_2(group)
+                   max_seq_len: int) -> tuple[int, int, int, bool, bool]:
+    """(query rows per program, tokens per query block, query-block grid bound, whether operands
+    are swapped, whether segments split over programs) of a call; static shapes only. Decode calls
+    (one query token per sequence) swap, where the swapped tiles stay on wgmma (head size >= 64)."""
+    swap = tokens == num_seqs and triton.next_power_of_2(head_size) >= 64
+    return _plan_with(tokens, num_seqs, heads, kv_heads, head_size, max_seq_len, swap)
+
+
+def _plan_with(tokens, num_seqs, heads, kv_heads, head_size, max_seq_len, swap: bool):
+    group = triton.next_power_of_2(heads // kv_heads)
+    if group > DECODE_ROWS:
+        raise ValueError(f"{heads // kv_heads} query heads per KV head: at most {DECODE_ROWS} supported")
+    block_m = DECODE_ROWS if swap else PREFILL_ROWS
+    block_q = block_m // group
     q_blocks = tokens // block_q + num_seqs
     segs = triton.cdiv(max(max_seq_len, 1), SEGMENT)
     workspace = tokens * heads * segs * (triton.next_power_of_2(head_size) + 2) * 4
-    return block_q, q_blocks, q_blocks * kv_heads < _SPLIT_BELOW_PROGRAMS and workspace <= _SPLIT_MAX_BYTES
+    split = q_blocks * kv_heads < _SPLIT_BELOW_PROGRAMS and workspace <= _SPLIT_MAX_BYTES
+    return block_m, block_q, q_blocks, swap, split
 
 
 def invariant_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
     cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, max_seq_len: int,
-    scale: float, window: int | None = None, *, split: bool | None = None, pdl: bool | None = None,
-    block_m: int = BLOCK_M,
+    scale: float, window: int | None = None, *, split: bool | None = None, swap: bool | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """Writes ``out`` ``[tokens, heads, head_size]`` (``q``'s layout) and returns it. ``max_seq_len``:
     a bound on ``seq_lens`` that holds at every replay of a captured call (vLLM: the model's
     ``max_model_len``); it sizes the split path's workspace, and rows of a longer sequence come out
-    NaN there. ``split`` overrides the plan (tests): every path gives the same bits. ``block_m``
-    (query rows per program, a power of two >= 16) is for measurements: its matrix instructions
-    may differ (mma at 16 rows, wgmma from 64), so only one value serves."""
+    NaN there. ``split`` and ``swap`` override the plan (tests, measurements): every path gives the
+    same bits (a swapped call with a head size under 64 leaves wgmma, so its bits may differ)."""
     check_attention_args(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table)
     tokens, heads, head_size = q.shape
     _, page, kv_heads, _ = k_cache.shape
@@ -258,8 +304,10 @@ def invariant_attention_triton(
         raise ValueError("the head dimension of q, out and the caches must be contiguous")
     interpret = interpreting()
     num_seqs = seq_lens.shape[0]
-    block_q, q_blocks, split_by_shape = attention_plan(tokens, num_seqs, heads, kv_heads, head_size, max_seq_len,
-                                                       block_m)
+    plan = attention_plan(tokens, num_seqs, heads, kv_heads, head_size, max_seq_len)
+    if swap is not None and swap != plan[3]:
+        plan = _plan_with(tokens, num_seqs, heads, kv_heads, head_size, max_seq_len, swap)
+    block_m, block_q, q_blocks, swap, split_by_shape = plan
     split = split_by_shape if split is None else split
     group = heads // kv_heads
     head_pad = max(16, triton.next_power_of_2(head_size))
@@ -276,11 +324,13 @@ def invariant_attention_triton(
         num_seqs, scale, window or 0, max_segs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        PAGE=page, TILE_K=TILE, SPLIT=split, DOT_F32=interpret or q.dtype == torch.float32, **consts,
-        num_warps=4, num_stages=2, **pdl_launch(out, pdl, interpret),
+        PAGE=page, SWAP=swap, SPLIT=split, DOT_F32=interpret or q.dtype == torch.float32, **consts,
+        num_warps=num_warps(swap), num_stages=2, **pdl_launch(out, pdl, interpret),
     )
-    if split:
-        _attention_merge_kernel[(q_blocks, kv_heads)](
+    if split:  # merged in 16-row blocks whatever the segments' blocks (the workspace is by token and head)
+        merge_block_q = DECODE_ROWS // triton.next_power_of_2(group)
+        consts.update(BLOCK_Q=merge_block_q, BLOCK_M=DECODE_ROWS)
+        _attention_merge_kernel[(tokens // merge_block_q + num_seqs, kv_heads)](
             out, cu_seqlens_q, seq_lens, part, ml, num_seqs, window or 0, max_segs, out.stride(0), out.stride(1),
             **consts, num_warps=4, **pdl_launch(out, pdl, interpret),
         )

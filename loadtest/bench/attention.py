@@ -4,8 +4,9 @@ kernel (``mok_serve.kernels.invariant_attention``) against vLLM's Triton kernel 
 Baselines, timed in the same run where vLLM imports: ``vllm`` (``unified_attention`` as vLLM's
 Triton attention backend calls it by default: its segment-parallel "3D" kernel for decode calls of
 at most 128 / KV-heads sequences, else the single-pass "2D" one) and ``vllm-2d`` (the single-pass
-kernel for every call: what ``VLLM_BATCH_INVARIANT=1`` runs). ``--block-m`` adds kittens with
-other query rows per program (``kittens-m64``...): a measurement of the tile, not a served choice.
+kernel for every call: what ``VLLM_BATCH_INVARIANT=1`` runs). ``--layouts`` adds kittens with its
+operands swapped and not (``kittens-swapped``, ``kittens-unswapped``) whatever the call's shape:
+a measurement of the plan's choice (the same bits either way).
 
 Calls (``CALLS``): decode steps (one query token per sequence) and prefill (every token of fresh
 prompts, or a chunk of a longer one), on a paged cache of 16-token pages spread over the cache at
@@ -98,17 +99,17 @@ def reference(c: dict) -> torch.Tensor:
     return out
 
 
-def providers(block_ms: list[int]) -> dict:
+def providers(layouts: bool) -> dict:
     """name -> fn(call, out) writing ``out``."""
     from mok_serve.kernels.cuda.attention import invariant_attention_triton
 
-    def kittens(block_m=None):
-        extra = {} if block_m is None else {"block_m": block_m}
+    def kittens(swap=None):
         return lambda c, out: invariant_attention_triton(c["q"], c["k"], c["v"], out, c["cu"], c["lens"], c["table"],
-                                                         MAX_MODEL_LEN, c["scale"], **extra)
+                                                         MAX_MODEL_LEN, c["scale"], swap=swap)
 
     impls = {"kittens": kittens()}
-    impls.update({f"kittens-m{m}": kittens(m) for m in block_ms})
+    if layouts:
+        impls.update({"kittens-swapped": kittens(True), "kittens-unswapped": kittens(False)})
     try:
         from vllm.v1.attention.ops.triton_unified_attention import unified_attention
     except ImportError:
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(HEADS), help="comma-separated, of: " + ", ".join(HEADS))
     p.add_argument("--calls", nargs="*", default=list(CALLS), metavar="CALL", help="of: " + "; ".join(CALLS))
-    p.add_argument("--block-m", type=int, nargs="*", default=[], help="also time kittens with these rows per program")
+    p.add_argument("--layouts", action="store_true", help="also time kittens with operands swapped and not")
     p.add_argument("--out", default=str(RESULTS), help="folder for attention_bench.{json,md}")
     p.add_argument("--seed", type=int, default=1234)
     history.add_arguments(p)
@@ -202,15 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     models = [m for m in args.models.split(",") if m]
     if set(models) - set(HEADS) or set(args.calls) - set(CALLS):
         p.error("unknown model or call")
-    if any(m < 16 or m & (m - 1) for m in args.block_m):
-        p.error("--block-m values must be powers of two >= 16")
     if not torch.cuda.is_available():
         print("the attention benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
     import triton
     from tqdm import tqdm
 
-    impls = providers(args.block_m)
+    impls = providers(args.layouts)
     names = list(impls)
     try:
         import vllm

@@ -1,5 +1,6 @@
 """Batch-invariant paged attention on a CUDA GPU: accuracy, a token's bits alone, in any batch and
-in any prefill chunk, both paths, CUDA-graph replay with longer sequences, poisoned outputs.
+in any prefill chunk, both paths and both layouts (a token decoded alone runs swapped operands,
+inside a prefill not), CUDA-graph replay with longer sequences, poisoned outputs.
 
 Run with ``pytest -m gpu``; skipped without CUDA. Fresh random inputs each run (seed printed).
 """
@@ -22,10 +23,10 @@ from moe_test_utils import DEV, fresh_seed, rel_err  # noqa: E402
 HEADS = [(32, 4, 128), (96, 8, 128), (8, 8, 64)]
 
 
-def run(b: Batch, split=None, bound=None):
+def run(b: Batch, split=None, bound=None, swap=None):
     out = torch.full_like(b.q, float("nan"))
     return invariant_attention_triton(b.q, b.k, b.v, out, b.cu_q, b.seq_lens, b.block_table, bound or b.max_seq_len,
-                                      b.scale, split=split)
+                                      b.scale, split=split, swap=swap)
 
 
 @pytest.mark.parametrize("heads,kv_heads,head", HEADS)
@@ -34,8 +35,23 @@ def test_accuracy_against_the_reference(heads, kv_heads, head):
     ref = attention_reference(b.q.cpu(), b.k.cpu(), b.v.cpu(), b.cu_q.cpu(), b.seq_lens.cpu(), b.block_table.cpu(),
                               b.scale)
     for split in (False, True):
-        out = run(b, split=split)
-        assert rel_err(out.cpu(), ref) <= 1e-2
+        for swap in (False, True):
+            out = run(b, split=split, swap=swap)
+            assert rel_err(out.cpu(), ref) <= 1e-2, (split, swap)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads,kv_heads,head", HEADS)
+def test_both_layouts_and_paths_give_the_same_bits(heads, kv_heads, head, dtype):
+    """Operands swapped (the decode plan) or not, segments split or not: one set of bits, for
+    decode and prefill rows alike."""
+    b = Batch.random([(1, 700), (5, 300), (70, 70), (1, 1), (1, 64), (130, 2000)], heads, kv_heads, head,
+                     seed=fresh_seed(), device=DEV, dtype=dtype)
+    first = run(b, split=False, swap=False)
+    assert not torch.isnan(first).any()
+    for split in (False, True):
+        for swap in (False, True):
+            assert torch.equal(run(b, split=split, swap=swap), first), (split, swap)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -1,6 +1,6 @@
 """Batch-invariant paged attention's Triton kernels on the CPU, under the Triton interpreter: the
 reference function, the same bits on either path, alone or in a batch, decoded or inside a
-prefill chunk of any size. In fp32 too: a bf16 output hides most fp32 ordering differences in its
+prefill chunk of any size; the swapped (decode) layout's function. In fp32 too: a bf16 output hides most fp32 ordering differences in its
 rounding (a reversed merge order changed no bf16 output of these sizes, 45 fp32 ones)."""
 
 import os
@@ -15,15 +15,15 @@ pytest.importorskip("triton")
 
 from attention_test_utils import Batch, rel_err  # noqa: E402
 from mok_serve.kernels.attention import attention_reference  # noqa: E402
-from mok_serve.kernels.cuda.attention import invariant_attention_triton  # noqa: E402
+from mok_serve.kernels.cuda.attention import attention_plan, invariant_attention_triton  # noqa: E402
 
 HEADS, KV_HEADS, HEAD = 4, 2, 32
 
 
-def run(batch: Batch, split: bool | None = None, window=None):
+def run(batch: Batch, split: bool | None = None, window=None, swap: bool | None = None):
     out = torch.full_like(batch.q, float("nan"))
     return invariant_attention_triton(batch.q, batch.k, batch.v, out, batch.cu_q, batch.seq_lens, batch.block_table,
-                                      batch.max_seq_len, batch.scale, window, split=split)
+                                      batch.max_seq_len, batch.scale, window, split=split, swap=swap)
 
 
 DTYPES = [torch.bfloat16, torch.float32]
@@ -64,3 +64,22 @@ def test_rows_of_an_unfinished_bound_are_poisoned_on_the_split_path():
     batch = Batch.random([(1, 200)], HEADS, KV_HEADS, HEAD, seed=8)
     batch.max_seq_len = 100  # below the real length: the workspace cannot hold every segment
     assert torch.isnan(run(batch, split=True)).all()
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_the_swapped_layout_computes_the_same_function(window):
+    """Decode calls with a head size of 64 or more run the operands swapped (keys on the tensor
+    cores' M side). Here the interpreter's numpy dots may round the two layouts' fp32 sums apart (by
+    the arrays' shapes), so they agree within a rounding; the GPU tests check their bits."""
+    decode = Batch.random([(1, 150), (1, 70), (1, 1), (1, 64)], 8, 2, 64, seed=11)
+    prefill = Batch.random([(1, 150), (7, 70), (33, 33)], 8, 2, 64, seed=12)
+    assert attention_plan(4, 4, 8, 2, 64, 150)[3] and not attention_plan(41, 3, 8, 2, 64, 150)[3]
+    assert not attention_plan(4, 4, 8, 2, 32, 150)[3]  # a 32-wide head would leave wgmma swapped
+    for batch in (decode, prefill):
+        ref = attention_reference(batch.q, batch.k, batch.v, batch.cu_q, batch.seq_lens, batch.block_table,
+                                  batch.scale, window)
+        for swap in (False, True):
+            for split in (False, True):
+                assert rel_err(run(batch, split=split, window=window, swap=swap), ref) <= 1e-2, (swap, split)
+        assert torch.equal(run(batch, split=True, window=window, swap=True), run(batch, split=False, window=window,
+                                                                                 swap=True))
