@@ -288,13 +288,14 @@ def invariant_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
     cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, max_seq_len: int,
     scale: float, window: int | None = None, *, split: bool | None = None, swap: bool | None = None,
-    pdl: bool | None = None,
+    segment_programs: int = _SEGMENT_PROGRAMS, pdl: bool | None = None,
 ) -> torch.Tensor:
     """Writes ``out`` ``[tokens, heads, head_size]`` (``q``'s layout) and returns it. ``max_seq_len``:
     a bound on ``seq_lens`` that holds at every replay of a captured call (vLLM: the model's
     ``max_model_len``); it sizes the split path's workspace, and rows of a longer sequence come out
-    NaN there. ``split`` and ``swap`` override the plan (tests, measurements): every path gives the
-    same bits (a swapped call with a head size under 64 leaves wgmma, so its bits may differ)."""
+    NaN there. ``split``, ``swap`` and ``segment_programs`` (programs per query block sharing its
+    segments on the split path) override the plan (tests, measurements): every path gives the same
+    bits (a swapped call with a head size under 64 leaves wgmma, so its bits may differ)."""
     check_attention_args(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table)
     tokens, heads, head_size = q.shape
     _, page, kv_heads, _ = k_cache.shape
@@ -302,6 +303,8 @@ def invariant_attention_triton(
         return out
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or q.stride(2) != 1 or out.stride(2) != 1:
         raise ValueError("the head dimension of q, out and the caches must be contiguous")
+    if segment_programs < 1:
+        raise ValueError(f"segment_programs must be >= 1, got {segment_programs}")
     interpret = interpreting()
     num_seqs = seq_lens.shape[0]
     plan = attention_plan(tokens, num_seqs, heads, kv_heads, head_size, max_seq_len)
@@ -319,7 +322,7 @@ def invariant_attention_triton(
         part = ml = out
     consts = dict(GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD=head_size, HEAD_PAD=head_pad, SEG=SEGMENT,
                   HAS_WINDOW=window is not None)
-    _attention_kernel[(q_blocks, kv_heads, min(max_segs, _SEGMENT_PROGRAMS) if split else 1)](
+    _attention_kernel[(q_blocks, kv_heads, min(max_segs, segment_programs) if split else 1)](
         q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, part, ml,
         num_seqs, scale, window or 0, max_segs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),

@@ -6,7 +6,8 @@ Triton attention backend calls it by default: its segment-parallel "3D" kernel f
 at most 128 / KV-heads sequences, else the single-pass "2D" one) and ``vllm-2d`` (the single-pass
 kernel for every call: what ``VLLM_BATCH_INVARIANT=1`` runs). ``--layouts`` adds kittens with its
 operands swapped and not (``kittens-swapped``, ``kittens-unswapped``) whatever the call's shape:
-a measurement of the plan's choice (the same bits either way).
+a measurement of the plan's choice (the same bits either way); ``--segment-programs N...`` adds
+kittens with N programs sharing a query block's segments on the split path (``kittens-pN``).
 
 Calls (``CALLS``): decode steps (one query token per sequence) and prefill (every token of fresh
 prompts, or a chunk of a longer one), on a paged cache of 16-token pages spread over the cache at
@@ -99,17 +100,18 @@ def reference(c: dict) -> torch.Tensor:
     return out
 
 
-def providers(layouts: bool) -> dict:
+def providers(layouts: bool, segment_programs: list[int]) -> dict:
     """name -> fn(call, out) writing ``out``."""
     from mok_serve.kernels.cuda.attention import invariant_attention_triton
 
-    def kittens(swap=None):
+    def kittens(**kw):
         return lambda c, out: invariant_attention_triton(c["q"], c["k"], c["v"], out, c["cu"], c["lens"], c["table"],
-                                                         MAX_MODEL_LEN, c["scale"], swap=swap)
+                                                         MAX_MODEL_LEN, c["scale"], **kw)
 
     impls = {"kittens": kittens()}
     if layouts:
-        impls.update({"kittens-swapped": kittens(True), "kittens-unswapped": kittens(False)})
+        impls.update({"kittens-swapped": kittens(swap=True), "kittens-unswapped": kittens(swap=False)})
+    impls.update({f"kittens-p{n}": kittens(segment_programs=n) for n in segment_programs})
     try:
         from vllm.v1.attention.ops.triton_unified_attention import unified_attention
     except ImportError:
@@ -196,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default=",".join(HEADS), help="comma-separated, of: " + ", ".join(HEADS))
     p.add_argument("--calls", nargs="*", default=list(CALLS), metavar="CALL", help="of: " + "; ".join(CALLS))
     p.add_argument("--layouts", action="store_true", help="also time kittens with operands swapped and not")
+    p.add_argument("--segment-programs", type=int, nargs="*", default=[],
+                   help="also time kittens with these programs per query block on the split path (kittens-pN)")
     p.add_argument("--out", default=str(RESULTS), help="folder for attention_bench.{json,md}")
     p.add_argument("--seed", type=int, default=1234)
     history.add_arguments(p)
@@ -209,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     import triton
     from tqdm import tqdm
 
-    impls = providers(args.layouts)
+    impls = providers(args.layouts, args.segment_programs)
     names = list(impls)
     try:
         import vllm

@@ -83,3 +83,12 @@ def test_the_swapped_layout_computes_the_same_function(window):
                 assert rel_err(run(batch, split=split, window=window, swap=swap), ref) <= 1e-2, (swap, split)
         assert torch.equal(run(batch, split=True, window=window, swap=True), run(batch, split=False, window=window,
                                                                                  swap=True))
+    out = torch.empty_like(decode.q)
+    for programs in (1, 3, 64):  # programs sharing a block's segments: any number, the same bits
+        got = invariant_attention_triton(decode.q, decode.k, decode.v, out.clone(), decode.cu_q, decode.seq_lens,
+                                         decode.block_table, decode.max_seq_len, decode.scale, window, split=True,
+                                         segment_programs=programs)
+        assert torch.equal(got, run(decode, split=True, window=window)), programs
+    with pytest.raises(ValueError, match="segment_programs"):
+        invariant_attention_triton(decode.q, decode.k, decode.v, out, decode.cu_q, decode.seq_lens,
+                                   decode.block_table, decode.max_seq_len, decode.scale, segment_programs=0)
