@@ -144,10 +144,10 @@ def _rows(cu_q_ptr, seq_lens_ptr, pid_q, kv_head, num_seqs, window,
 
 
 @triton.jit
-def _store_rows(out_ptr, O, L, token, head, row_ok, bad, stride_ot, stride_oh,
-                HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, SWAP: tl.constexpr):
-    """``out[token, head] = O / L`` rounded once (O transposed with ``SWAP``); rows marked ``bad`` NaN."""
-    offs_d = tl.arange(0, HEAD_PAD)
+def _store_rows(out_ptr, O, L, token, head, row_ok, bad, offs_d, stride_ot, stride_oh,
+                HEAD: tl.constexpr, SWAP: tl.constexpr):
+    """``out[token, head, offs_d] = O / L`` rounded once (O transposed with ``SWAP``); rows marked
+    ``bad`` NaN."""
     L_safe = tl.where(L > 0, L, 1.0)  # (rows past the block's tokens: never stored)
     if SWAP:
         out = tl.where(bad[None, :], float("nan"), O / L_safe[None, :])
@@ -212,7 +212,7 @@ def _attention_kernel(
                                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                                  PAGE, HEAD, HEAD_PAD, BLOCK_M, SEG, SWAP, DOT_F32)
             M, L, O = _merge(M, L, O, m, l, acc, SWAP)
-        _store_rows(out_ptr, O, L, token, head, row_ok, row_ok & False, stride_ot, stride_oh, HEAD, HEAD_PAD, SWAP)
+        _store_rows(out_ptr, O, L, token, head, row_ok, row_ok & False, offs_d, stride_ot, stride_oh, HEAD, SWAP)
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
@@ -220,20 +220,21 @@ def _attention_merge_kernel(
     out_ptr, cu_q_ptr, seq_lens_ptr, part_ptr, ml_ptr, num_seqs, window, max_segs,
     stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD: tl.constexpr,
-    HEAD_PAD: tl.constexpr, SEG: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr,
+    HEAD_PAD: tl.constexpr, COLS: tl.constexpr, SEG: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr,
 ):
     """The split path's second step: each row's segments merged in order, as ``_attention_kernel``
-    merges them in one program."""
+    merges them in one program, for the ``COLS`` output columns of grid axis 2 (every program of a
+    block walks the same (m, l) chain, so each column gets the bits of a whole-row merge)."""
     grid_dependency(PDL)
     kv_head = tl.program_id(1)
     seq, seq_len, token, head, row_ok, pos, lo, first, last = _rows(
         cu_q_ptr, seq_lens_ptr, tl.program_id(0), kv_head, num_seqs, window, GROUP, BLOCK_Q, BLOCK_M, SEG, HAS_WINDOW)
     if last < 0:
         return
-    offs_d = tl.arange(0, HEAD_PAD)
+    offs_d = tl.program_id(2) * COLS + tl.arange(0, COLS)
     M = tl.full([BLOCK_M], float("-inf"), tl.float32)
     L = tl.zeros([BLOCK_M], tl.float32)
-    O = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    O = tl.zeros([BLOCK_M, COLS], tl.float32)
     base = (token.to(tl.int64) * tl.num_programs(1) * GROUP + head) * max_segs
     for seg in range(first, tl.minimum(last, max_segs - 1) + 1):
         # A row outside this segment's reach was not written there: it reads l = 0 (no merge).
@@ -244,8 +245,7 @@ def _attention_merge_kernel(
         acc = tl.load(part_ptr + cell[:, None] * HEAD_PAD + offs_d[None, :], mask=sees[:, None], other=0.0)
         M, L, O = _merge(M, L, O, m, l, acc, False)
     # A KV length past the bound: segments the workspace could not hold, so the row is poisoned.
-    _store_rows(out_ptr, O, L, token, head, row_ok, pos // SEG >= max_segs, stride_ot, stride_oh, HEAD, HEAD_PAD,
-                False)
+    _store_rows(out_ptr, O, L, token, head, row_ok, pos // SEG >= max_segs, offs_d, stride_ot, stride_oh, HEAD, False)
 
 
 # Split segments over programs while the call has fewer (query block, KV head) programs than this,
@@ -254,6 +254,7 @@ def _attention_merge_kernel(
 _SPLIT_BELOW_PROGRAMS = 132
 _SPLIT_MAX_BYTES = 256 << 20
 _SEGMENT_PROGRAMS = 16
+_MERGE_COLS = 32  # output columns per merge program
 
 
 def num_warps(swap: bool) -> int:
@@ -330,11 +331,13 @@ def invariant_attention_triton(
         PAGE=page, SWAP=swap, SPLIT=split, DOT_F32=interpret or q.dtype == torch.float32, **consts,
         num_warps=num_warps(swap), num_stages=2, **pdl_launch(out, pdl, interpret),
     )
-    if split:  # merged in 16-row blocks whatever the segments' blocks (the workspace is by token and head)
+    if split:  # merged in 16-row blocks whatever the segments' blocks (the workspace is by token and head),
+        # the columns spread over programs (a decode step alone has one block per KV head)
         merge_block_q = DECODE_ROWS // triton.next_power_of_2(group)
+        cols = min(head_pad, _MERGE_COLS)
         consts.update(BLOCK_Q=merge_block_q, BLOCK_M=DECODE_ROWS)
-        _attention_merge_kernel[(tokens // merge_block_q + num_seqs, kv_heads)](
+        _attention_merge_kernel[(tokens // merge_block_q + num_seqs, kv_heads, head_pad // cols)](
             out, cu_seqlens_q, seq_lens, part, ml, num_seqs, window or 0, max_segs, out.stride(0), out.stride(1),
-            **consts, num_warps=4, **pdl_launch(out, pdl, interpret),
+            **consts, COLS=cols, num_warps=4, **pdl_launch(out, pdl, interpret),
         )
     return out

@@ -33,7 +33,7 @@ for group, head in ((8, 128), (12, 128), (1, 64)):
                     if split and swap:  # the merge runs 16-row blocks after either layout
                         build(f"merge_{tag}", att._attention_merge_kernel, ptrs,
                               {k: ints[k] for k in ("num_seqs", "window", "max_segs", "stride_ot", "stride_oh")},
-                              dict(consts, PDL=True), 4, 2)
+                              dict(consts, COLS=min(head, 32), PDL=True), 4, 2)
 """
 
 
