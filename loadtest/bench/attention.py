@@ -22,15 +22,15 @@ bytes = each sequence's keys and values once + queries + outputs. Results:
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import pathlib
 import sys
 
 import torch
 
-from .. import history, provenance
-from .harness import PEAK_BYTES, PEAK_FLOPS, graph_time, passes, rel_err
+from .. import history
+from .harness import (PEAK_BYTES, PEAK_FLOPS, add_ratios, bench_meta, graph_time, passes, rel_err,
+                      timed_history_rows)
 
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
 TOL = 1e-2
@@ -153,11 +153,7 @@ def measure(model: str, call: str, impls: dict, gen) -> dict:
         fn(c, out)
         row[f"{name}_err"] = err = rel_err(out, ref)
         row[f"{name}_ms"] = graph_time(lambda fn=fn, out=out: fn(c, out))[0] if passes(err, TOL) else None
-    if row.get("kittens_ms") is not None:
-        row["kittens_x_floor"] = row["kittens_ms"] / row["floor_ms"]
-        for name in impls:
-            if name != "kittens" and row.get(f"{name}_ms") is not None:
-                row[f"speedup_vs_{name}"] = row[f"{name}_ms"] / row["kittens_ms"]
+    add_ratios(row, impls)
     return row
 
 
@@ -180,16 +176,8 @@ def markdown(meta: dict, rows: list[dict], names: list[str]) -> str:
 
 
 def history_rows(meta: dict, rows: list[dict], names: list[str]) -> list[dict]:
-    common = dict(date=meta["date"][:19], commit=meta["commit"], benchmark="attention_bench", gpu=meta["gpu"],
-                  versions=f"torch={meta['torch']} triton={meta['triton']} vllm={meta['vllm']}", routing="", config="",
-                  source="")
-    out = []
-    for r in rows:
-        base = dict(common, shape=f"{r['model']}:{r['call']}", tokens_or_load=r["tokens"])
-        out += [dict(base, provider=n, metric="time_ms", value=r[f"{n}_ms"], unit="ms")
-                for n in names if r.get(f"{n}_ms") is not None]
-        out.append(dict(base, provider="floor", metric="floor_ms", value=r["floor_ms"], unit="ms"))
-    return out
+    return timed_history_rows(meta, rows, names, "attention_bench", lambda r: f"{r['model']}:{r['call']}",
+                              lambda r: r["tokens"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,22 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("the attention benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
-    import triton
     from tqdm import tqdm
 
     impls = providers(args.layouts, args.segment_programs)
     names = list(impls)
-    try:
-        import vllm
-
-        vllm_version = vllm.__version__
-    except ImportError:
-        vllm_version = None
-    meta = dict(gpu=torch.cuda.get_device_name(), commit=provenance.git_commit(),
-                date=datetime.datetime.now(datetime.UTC).isoformat(), torch=torch.__version__,
-                triton=triton.__version__, vllm=vllm_version, peak_flops=PEAK_FLOPS, peak_bytes=PEAK_BYTES,
-                timing="Median of CUDA-graph replays, L2 flushed before each (triton.testing.do_bench); bf16 "
-                f"queries and cache, {PAGE}-token pages; `vs X`: X's time / kittens' time.")
+    meta = bench_meta("Median of CUDA-graph replays, L2 flushed before each (triton.testing.do_bench); bf16 "
+                      f"queries and cache, {PAGE}-token pages; `vs X`: X's time / kittens' time.")
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     rows = []
     for model, call in tqdm([(m, c) for m in models for c in args.calls], desc="attention calls", unit="call"):

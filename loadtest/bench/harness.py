@@ -11,7 +11,9 @@ timing, correctness and floors.
   ``eager_time`` (one call from Python from an idle GPU), ``time_impls`` and ``eager_times`` over a
   dict of implementations;
 - correctness before timing: ``rel_err`` against the reference, ``passes`` within ``TOL_BF16`` /
-  ``TOL_FP8`` (NaN never passes), ``check_vllm`` (vLLM is timed only where its output passes).
+  ``TOL_FP8`` (NaN never passes), ``check_vllm`` (vLLM is timed only where its output passes);
+- the deterministic-serving benchmarks' rows (``linear``, ``attention``): ``bench_meta``,
+  ``add_ratios``, ``timed_history_rows``.
 
 How the layer benchmark uses them: ``layer``'s docstring.
 """
@@ -448,3 +450,53 @@ def read_bandwidth():
 
 def buf_bytes(n, size):
     return n * size
+
+
+# --------------------------------------------------- the deterministic-serving benchmarks' rows
+
+
+def bench_meta(timing: str) -> dict:
+    """Where and with what a benchmark ran: GPU, commit, date, torch / Triton / vLLM versions (vLLM
+    None where it does not import), the floor's peak rates and ``timing`` (how times were taken)."""
+    import datetime
+
+    import triton
+
+    from .. import provenance
+
+    try:
+        import vllm
+
+        vllm_version = vllm.__version__
+    except ImportError:
+        vllm_version = None
+    return dict(gpu=torch.cuda.get_device_name(), commit=provenance.git_commit(),
+                date=datetime.datetime.now(datetime.UTC).isoformat(), torch=torch.__version__,
+                triton=triton.__version__, vllm=vllm_version, peak_flops=PEAK_FLOPS, peak_bytes=PEAK_BYTES,
+                timing=timing)
+
+
+def add_ratios(row: dict, names) -> None:
+    """``kittens_x_floor`` and ``speedup_vs_<name>`` (the provider's time over kittens') of a row of
+    ``<name>_ms`` times, where kittens' and the provider's were timed."""
+    if row.get("kittens_ms") is None:
+        return
+    row["kittens_x_floor"] = row["kittens_ms"] / row["floor_ms"]
+    for name in names:
+        if name != "kittens" and row.get(f"{name}_ms") is not None:
+            row[f"speedup_vs_{name}"] = row[f"{name}_ms"] / row["kittens_ms"]
+
+
+def timed_history_rows(meta: dict, rows: list[dict], names, benchmark: str, shape_of, load_of) -> list[dict]:
+    """``history.csv`` rows of such a benchmark: each timed provider's time and the floor, per row
+    (``shape_of(row)``, ``load_of(row)``: its shape and token/row count columns)."""
+    common = dict(date=meta["date"][:19], commit=meta["commit"], benchmark=benchmark, gpu=meta["gpu"],
+                  versions=f"torch={meta['torch']} triton={meta['triton']} vllm={meta['vllm']}", routing="", config="",
+                  source="")
+    out = []
+    for r in rows:
+        base = dict(common, shape=shape_of(r), tokens_or_load=load_of(r))
+        out += [dict(base, provider=n, metric="time_ms", value=r[f"{n}_ms"], unit="ms")
+                for n in names if r.get(f"{n}_ms") is not None]
+        out.append(dict(base, provider="floor", metric="floor_ms", value=r["floor_ms"], unit="ms"))
+    return out

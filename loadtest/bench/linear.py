@@ -20,15 +20,15 @@ interleaved: ``linear_sweep.{json,md}`` (benchmark ``linear_sweep`` in ``history
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import pathlib
 import sys
 
 import torch
 
-from .. import history, provenance
-from .harness import PEAK_BYTES, PEAK_FLOPS, graph_time, passes, rel_err
+from .. import history
+from .harness import (PEAK_BYTES, PEAK_FLOPS, add_ratios, bench_meta, graph_time, passes, rel_err,
+                      timed_history_rows)
 
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
 ROWS = (1, 8, 32, 64, 128, 256, 512, 2048, 8192)
@@ -156,11 +156,7 @@ def measure(model: str, layer: str, n: int, k: int, rows: int, impls: dict, gen)
             row[f"{name}_ms"] = None
             continue
         row[f"{name}_ms"], _, _ = graph_time(lambda fn=fn: fn(x, w))
-    if row.get("kittens_ms") is not None:
-        row["kittens_x_floor"] = row["kittens_ms"] / row["floor_ms"]
-        for name in impls:
-            if name != "kittens" and row.get(f"{name}_ms") is not None:
-                row[f"speedup_vs_{name}"] = row[f"{name}_ms"] / row["kittens_ms"]
+    add_ratios(row, impls)
     return row
 
 
@@ -183,17 +179,8 @@ def markdown(meta: dict, rows: list[dict], names: list[str]) -> str:
 
 
 def history_rows(meta: dict, rows: list[dict], names: list[str]) -> list[dict]:
-    common = dict(date=meta["date"][:19], commit=meta["commit"], benchmark="linear_bench", gpu=meta["gpu"],
-                  versions=f"torch={meta['torch']} triton={meta['triton']} vllm={meta['vllm']}", routing="", config="",
-                  source="")
-    out = []
-    for r in rows:
-        base = dict(common, shape=f"{r['model']}:{r['layer']}", tokens_or_load=r["rows"])
-        for n in names:
-            if r.get(f"{n}_ms") is not None:
-                out.append(dict(base, provider=n, metric="time_ms", value=r[f"{n}_ms"], unit="ms"))
-        out.append(dict(base, provider="floor", metric="floor_ms", value=r["floor_ms"], unit="ms"))
-    return out
+    return timed_history_rows(meta, rows, names, "linear_bench", lambda r: f"{r['model']}:{r['layer']}",
+                              lambda r: r["rows"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,22 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("the dense-layer benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
-    import triton
     from tqdm import tqdm
 
     impls = providers()
     names = list(impls)
-    try:
-        import vllm
-
-        vllm_version = vllm.__version__
-    except ImportError:
-        vllm_version = None
-    meta = dict(gpu=torch.cuda.get_device_name(), commit=provenance.git_commit(),
-                date=datetime.datetime.now(datetime.UTC).isoformat(), torch=torch.__version__,
-                triton=triton.__version__, vllm=vllm_version, peak_flops=PEAK_FLOPS, peak_bytes=PEAK_BYTES,
-                timing="Median of CUDA-graph replays, L2 flushed before each (triton.testing.do_bench); bf16 weights "
-                "and inputs, no bias; `vs X`: X's time / kittens' time.")
+    meta = bench_meta("Median of CUDA-graph replays, L2 flushed before each (triton.testing.do_bench); bf16 weights "
+                      "and inputs, no bias; `vs X`: X's time / kittens' time.")
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
