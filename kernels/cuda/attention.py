@@ -264,18 +264,16 @@ def num_warps(swap: bool) -> int:
 
 
 def attention_plan(tokens: int, num_seqs: int, heads: int, kv_heads: int, head_size: int,
-                   max_seq_len: int) -> tuple[int, int, int, bool, bool]:
+                   max_seq_len: int, swap: bool | None = None) -> tuple[int, int, int, bool, bool]:
     """(query rows per program, tokens per query block, query-block grid bound, whether operands
-    are swapped, whether segments split over programs) of a call; static shapes only. Decode calls
-    (one query token per sequence) swap, where the swapped tiles stay on wgmma (head size >= 64)."""
-    swap = tokens == num_seqs and triton.next_power_of_2(head_size) >= 64
-    return _plan_with(tokens, num_seqs, heads, kv_heads, head_size, max_seq_len, swap)
-
-
-def _plan_with(tokens, num_seqs, heads, kv_heads, head_size, max_seq_len, swap: bool):
+    are swapped, whether segments split over programs) of a call; static shapes only. Unless
+    ``swap`` says, decode calls (one query token per sequence) swap, where the swapped tiles stay
+    on wgmma (head size >= 64)."""
     group = triton.next_power_of_2(heads // kv_heads)
     if group > DECODE_ROWS:
         raise ValueError(f"{heads // kv_heads} query heads per KV head: at most {DECODE_ROWS} supported")
+    if swap is None:
+        swap = tokens == num_seqs and triton.next_power_of_2(head_size) >= 64
     block_m = DECODE_ROWS if swap else PREFILL_ROWS
     block_q = block_m // group
     q_blocks = tokens // block_q + num_seqs
@@ -308,10 +306,8 @@ def invariant_attention_triton(
         raise ValueError(f"segment_programs must be >= 1, got {segment_programs}")
     interpret = interpreting()
     num_seqs = seq_lens.shape[0]
-    plan = attention_plan(tokens, num_seqs, heads, kv_heads, head_size, max_seq_len)
-    if swap is not None and swap != plan[3]:
-        plan = _plan_with(tokens, num_seqs, heads, kv_heads, head_size, max_seq_len, swap)
-    block_m, block_q, q_blocks, swap, split_by_shape = plan
+    block_m, block_q, q_blocks, swap, split_by_shape = attention_plan(tokens, num_seqs, heads, kv_heads, head_size,
+                                                                      max_seq_len, swap)
     split = split_by_shape if split is None else split
     group = heads // kv_heads
     head_pad = max(16, triton.next_power_of_2(head_size))
