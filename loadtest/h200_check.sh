@@ -67,7 +67,7 @@ case $what in
       Qwen3-30B-A3B:qkv_proj:8192 GLM-4.5-Air:o_proj:2048 GLM-4.5-Air:lm_head:2048 Qwen3-30B-A3B:o_proj:64 "$@" ;;
   attention)
     step "h200_check_attention_$commit.log" 570 mok-loadtest attention --out "$out" --no-history "$@" ;;
-  step-profile)  # SHAPE (mok-serve build-model --list) MOE_BACKEND [--deterministic]
+  step-profile)  # SHAPE (mok-serve build-model --list) MOE_BACKEND [ARGS of mok-loadtest step-profile]
     model=/tmp/models/$1
     mok-serve build-model --shape "$1" --out "$model" >/dev/null
     step "step_profile_$commit.log" 400 mok-loadtest step-profile "$model" --moe-backend "$2" "${@:3}" \

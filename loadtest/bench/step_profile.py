@@ -7,9 +7,10 @@ then profiles two greedy generations of the same random prompt: 1 output token (
 1 + ``--decode-steps`` tokens. Their difference, divided by the steps, is one decode step: wall
 time, and GPU kernel time by kernel and by kind (dense GEMM, MoE, attention, norms, sampling,
 other). ``--prefill-prompts P`` also profiles one generation of 1 token for each of P different
-random prompts of ``--input-len`` tokens, submitted together (vLLM chunks them into steps of
-``--max-num-batched-tokens``): the prefill-heavy end of serving. ``--deterministic`` runs vLLM's batch-invariant mode (``VLLM_BATCH_INVARIANT=1``; with
-``--moe-backend kittens`` kittens' invariant kernels too), as ``mok-serve --deterministic``.
+random prompts of ``--input-len`` tokens, submitted together (vLLM chunks them into steps of its
+default batched-token budget): the prefill-heavy end of serving. ``--deterministic`` runs vLLM's
+batch-invariant mode (``VLLM_BATCH_INVARIANT=1``; with ``--moe-backend kittens`` kittens' invariant
+kernels too), as ``mok-serve --deterministic``.
 
 Output: ``step_profile_<label>.{json,md}`` in ``--out``.
 """
