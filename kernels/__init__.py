@@ -38,6 +38,10 @@ __all__ = [
     "rms_norm_reference",
     "softmax_topk",
     "warm_up",
+    "warm_up_attention",
+    "warm_up_invariant_kernels",
+    "warm_up_linear",
+    "warm_up_linear_rows",
     "warm_up_token_counts",
 ]
 
@@ -158,6 +162,9 @@ def _invariant_linear_impl(x, weight, bias):
     if x.is_cuda:
         from .cuda.linear import invariant_linear_triton
 
+        if _invariant_warm_up_rows and _first_call(("linear", x.device, x.dtype, weight.dtype, tuple(weight.shape),
+                                                     weight.stride(), bias is None)):
+            warm_up_linear(x, weight, bias, _invariant_warm_up_rows)
         return invariant_linear_triton(x, weight, bias)
     return invariant_linear_reference(x, weight, bias)
 
@@ -216,6 +223,10 @@ def invariant_attention(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_
     if q.is_cuda:
         from .cuda.attention import invariant_attention_triton
 
+        if _invariant_warm_up_rows and q.shape[0] and seq_lens.shape[0] and _first_call(("attention", q.device, q.dtype, k_cache.dtype, q.shape[1:],
+                                                     q.stride(), out.stride(), k_cache.shape[1:], k_cache.stride(),
+                                                     v_cache.stride(), window is None)):
+            warm_up_attention(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, max_seq_len, scale, window)
         return invariant_attention_triton(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, max_seq_len,
                                           scale, window)
     return out.copy_(attention_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, window))
@@ -273,3 +284,76 @@ def warm_up_token_counts(num_local: int, hidden: int, inter: int, top_k: int, ma
     for tokens in range(1, max_tokens + 1):
         first.setdefault(variants(tokens, top_k, num_local, hidden, inter), tokens)
     return list(first.values())
+
+
+# Rows bound of the invariant kernels' first-call warm-up (0: off); see warm_up_invariant_kernels.
+_invariant_warm_up_rows = 0
+_warmed_up_calls: set[tuple] = set()
+
+
+def warm_up_invariant_kernels(max_rows: int) -> None:
+    """From now on, the first CUDA call of ``invariant_linear`` with each weight layout, and of
+    ``invariant_attention`` with each query and cache layout, first compiles every Triton variant
+    that calls of 1 to ``max_rows`` rows (tokens) can run (``warm_up_linear``, ``warm_up_attention``),
+    as ``warm_up`` does for the experts. A deterministic vLLM server turns it on at start-up: vLLM's
+    own warm-up runs the largest batch and the captured sizes only, so a small prefill met first
+    while serving stalled the server for a compile. A first call during CUDA-graph capture waits for
+    the next call (vLLM runs each captured size once eagerly first). ``max_rows`` 0 turns it off."""
+    global _invariant_warm_up_rows
+    if max_rows < 0:
+        raise ValueError(f"max_rows must be >= 0, got {max_rows}")
+    _invariant_warm_up_rows = max_rows
+
+
+def _first_call(key: tuple) -> bool:
+    """Whether a call of this static layout is the first outside a CUDA-graph capture (and marks it)."""
+    if key in _warmed_up_calls or torch.cuda.is_current_stream_capturing():
+        return False
+    _warmed_up_calls.add(key)
+    return True
+
+
+def warm_up_linear_rows(n: int, k: int, max_rows: int) -> list[int]:
+    """The smallest row count of each ``invariant_linear`` variant (tile config, split or not) that
+    calls of 1 to ``max_rows`` rows with a weight ``[n, k]`` run, in increasing order."""
+    from .cuda.linear import linear_plan
+
+    first: dict[tuple, int] = {}
+    for rows in range(1, max_rows + 1):
+        config, _, split = linear_plan(rows, n, k)
+        first.setdefault((tuple(sorted(config.items())), split), rows)
+    return list(first.values())
+
+
+def warm_up_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int) -> list[int]:
+    """Compile now every Triton variant of ``invariant_linear`` calls of 1 to ``max_rows`` rows with
+    this weight (and bias, and ``x``'s dtype and device): one call on zeros at each of
+    ``warm_up_linear_rows``, which it returns (``[]`` off CUDA, where nothing is compiled per call)."""
+    if not x.is_cuda:
+        return []
+    from .cuda.linear import invariant_linear_triton
+
+    n, k = weight.shape
+    rows = warm_up_linear_rows(n, k, max_rows)
+    for m in rows:
+        invariant_linear_triton(torch.zeros((m, k), dtype=x.dtype, device=x.device), weight, bias)
+    return rows
+
+
+def warm_up_attention(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, max_seq_len: int, scale: float,
+                      window: int | None = None) -> list[tuple[bool, bool]]:
+    """Compile now every Triton variant of ``invariant_attention`` calls with these layouts (the
+    arguments of a call, at least one query token): each (swapped operands, split segments) path
+    the plan can pick, run for the first query token alone into a scratch output. Returns those
+    paths (``[]`` off CUDA)."""
+    if not q.is_cuda:
+        return []
+    from .cuda.attention import attention_paths, invariant_attention_triton
+
+    scratch = torch.empty_strided((1, *out.shape[1:]), out.stride(), dtype=out.dtype, device=out.device)
+    one = torch.arange(2, dtype=cu_seqlens_q.dtype, device=q.device)
+    paths = attention_paths(q.shape[2])
+    for swap, split in paths:
+        invariant_attention_triton(q[:1], k_cache, v_cache, scratch, one, seq_lens[:1], block_table[:1], max_seq_len,
+                                   scale, window, split=split, swap=swap)
+    return paths

@@ -4,7 +4,7 @@
 #   bash loadtest/h200_check.sh layer OUT [ARGS...]      # layer benchmark, bf16, against vLLM's fused_experts
 #   bash loadtest/h200_check.sh layer-fp8 OUT [ARGS...]  # the same with block-FP8 experts
 #   bash loadtest/h200_check.sh sweep-fp8 OUT [ARGS...]  # the FP8 kernels' unmeasured variants against the default
-#   bash loadtest/h200_check.sh linear-tests OUT         # pytest -m gpu: the batch-invariant GEMM, attention, RMSNorm
+#   bash loadtest/h200_check.sh linear-tests OUT         # pytest -m gpu: the batch-invariant GEMM, attention, RMSNorm, warm-up
 #   bash loadtest/h200_check.sh deterministic-serving OUT  # pytest -m gpu: the --deterministic servers' probe (vLLM)
 #   bash loadtest/h200_check.sh linear OUT [ARGS...]     # mok-loadtest linear: it against cuBLAS and vLLM's invariant GEMM
 #   bash loadtest/h200_check.sh sweep-linear OUT [ARGS...]  # its tile variants at prefill-sized points
@@ -53,7 +53,8 @@ case $what in
       "g2 m64 group32" group32 "g2 half tail" "$@" ;;
   linear-tests)
     step "invariant_gpu_tests_$commit.log" 400 python3 -m pytest -m gpu -q tests/kernels/test_invariant_linear_gpu.py \
-      tests/kernels/test_invariant_attention_gpu.py tests/kernels/test_invariant_rms_norm_gpu.py ;;
+      tests/kernels/test_invariant_attention_gpu.py tests/kernels/test_invariant_rms_norm_gpu.py \
+      tests/kernels/test_invariant_warm_up_gpu.py ;;
   deterministic-serving)  # servers' logs and probes in one archive (a call brings back a bounded number of files)
     MOK_TEST_LOG_DIR=$out/deterministic_serving step "deterministic_serving_gpu_tests_$commit.log" 570 \
       python3 -m pytest -m gpu -q tests/server/test_deterministic_serving_gpu.py

@@ -20,9 +20,9 @@ mode=()
 case $backend in *-deterministic) mode=(--deterministic) ;; esac
 case ${backend%-deterministic} in stock) moe=auto ;; kittens) moe=kittens ;;
   *) echo "BACKEND must be stock or kittens, either with -deterministic" >&2; exit 2 ;; esac
-model=/tmp/models/$shape dir=$out/$backend port=8321
+model=/tmp/models/$shape dir=$out/$backend port=${PORT:-8321}
 mkdir -p "$dir"
-mok-serve build-model --shape "$shape" --out "$model"
+mkdir -p /tmp/models && flock /tmp/models/.lock mok-serve build-model --shape "$shape" --out "$model"
 [[ $shape == deepseek* ]] && export VLLM_MLA_DISABLE=1  # the kit has no FlashAttention/FlashInfer for MLA
 mok-serve "$model" --moe-backend "$moe" "${mode[@]}" --served-model-name "$shape" --port $port --load-format dummy \
   --attention-backend TRITON_ATTN --max-model-len 8192 >"$dir/server.log" 2>&1 &

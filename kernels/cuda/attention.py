@@ -25,7 +25,7 @@ from ..attention import SEGMENT, check_attention_args
 from .launch import interpreting, pdl_launch
 from .tiles import grid_dependency
 
-__all__ = ["attention_plan", "invariant_attention_triton", "num_warps"]
+__all__ = ["attention_paths", "attention_plan", "invariant_attention_triton", "num_warps"]
 
 PREFILL_ROWS = 64  # query rows of a program in a call with prefill tokens (wgmma's M side)
 DECODE_ROWS = 16  # query rows of a program in a decode call, operands swapped (wgmma's N side)
@@ -261,6 +261,12 @@ def num_warps(swap: bool) -> int:
     """Warps of an attention program: two warpgroups for 64-row blocks (registers for the 64 x 64
     scores beside the 64 x head accumulator), one for swapped 16-row ones."""
     return 4 if swap else 8
+
+
+def attention_paths(head_size: int) -> list[tuple[bool, bool]]:
+    """Every (swap, split) pair ``attention_plan`` can pick for calls of this head size."""
+    swaps = (False, True) if triton.next_power_of_2(head_size) >= 64 else (False,)
+    return [(swap, split) for swap in swaps for split in (False, True)]
 
 
 def attention_plan(tokens: int, num_seqs: int, heads: int, kv_heads: int, head_size: int,

@@ -29,7 +29,7 @@ import vllm.envs as envs
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 
-from mok_serve.kernels import invariant_attention, invariant_linear, invariant_rms_norm
+from mok_serve.kernels import invariant_attention, invariant_linear, invariant_rms_norm, warm_up_invariant_kernels
 
 logger = init_logger("vllm.mok_serve")
 
@@ -123,6 +123,10 @@ def install() -> bool:
     config = get_current_vllm_config_or_none()
     max_model_len = config.model_config.max_model_len if config is not None and config.model_config else 0
     attention.unified_attention = kittens_unified_attention(attention.unified_attention, max_model_len)
+    # Each dense layer's and attention layer's first call compiles the kernel variants of every
+    # batch the scheduler can form, as the kittens experts' first call does (experts.py).
+    max_tokens = config.scheduler_config.max_num_batched_tokens if config is not None else 0
+    warm_up_invariant_kernels(max_tokens or 0)
     _installed = True
     logger.info_once("kittens: deterministic serving: dense layers, RMSNorms and Triton paged attention run "
                      "mok-serve's batch-invariant kernels")

@@ -1,11 +1,19 @@
-"""kernels.warm_up's choice of token counts: one call per compiled kernel variant (CPU, no kernel runs)."""
+"""kernels.warm_up's and warm_up_linear's choice of token counts, warm_up_attention's paths: one call per compiled
+kernel variant (CPU, no kernel runs)."""
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from mok_serve.kernels import warm_up, warm_up_token_counts  # noqa: E402
+from mok_serve.kernels import (  # noqa: E402
+    warm_up,
+    warm_up_invariant_kernels,
+    warm_up_linear,
+    warm_up_linear_rows,
+    warm_up_token_counts,
+)
+from mok_serve.kernels.cuda.attention import attention_paths  # noqa: E402
 from mok_serve.kernels.cuda.configs import kernel_variants, kernel_variants_fp8  # noqa: E402
 
 QWEN3_30B = dict(num_local=128, hidden=2048, inter=768, top_k=8)
@@ -39,3 +47,36 @@ def test_every_token_count_shares_the_variant_of_a_warmed_count(shape, fp8):
 def test_nothing_runs_on_the_cpu():
     x, w13, w2 = torch.zeros(1, 8), torch.zeros(2, 8, 8), torch.zeros(2, 8, 4)
     assert warm_up(x, w13, w2, torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.int32), 4096) == []
+
+
+@pytest.mark.parametrize("n,k", [(5120, 2048), (2048, 4096), (151936, 2048), (256, 128)])
+def test_every_row_count_shares_the_linear_variant_of_a_warmed_count(n, k):
+    from mok_serve.kernels.cuda.linear import linear_plan
+
+    def variant(rows):
+        config, _, split = linear_plan(rows, n, k)
+        return tuple(sorted(config.items())), split
+
+    rows = warm_up_linear_rows(n, k, 3000)
+    assert rows[0] == 1 and rows == sorted(rows)
+    for r in rows[1:]:  # each count starts a new variant...
+        assert variant(r - 1) != variant(r)
+    warmed = {variant(r) for r in rows}
+    assert len(warmed) == len(rows)  # ...and no two share one
+    assert all(variant(r) in warmed for r in range(1, 3001))
+
+
+def test_qwen3_30b_qkv_rows_and_why():
+    # 1-16, 17-32, 33-64 rows: swapped 16/32/64-row decode tiles, K chunks split over programs;
+    # 65: 64 x 128 tiles, split while under 132 tiles, whole from 193 (4 x 40 tiles); 257: 128 x 128
+    # tiles, split again (3 x 40), whole from 385.
+    assert warm_up_linear_rows(5120, 2048, 8192) == [1, 17, 33, 65, 193, 257, 385]
+
+
+def test_attention_paths_and_the_warm_up_switch():
+    assert attention_paths(128) == [(False, False), (False, True), (True, False), (True, True)]
+    assert attention_paths(32) == [(False, False), (False, True)]  # swapped tiles need a head of 64+
+    with pytest.raises(ValueError, match="max_rows"):
+        warm_up_invariant_kernels(-1)
+    x, w = torch.zeros(2, 8), torch.zeros(4, 8)
+    assert warm_up_linear(x, w, None, 4096) == []  # CPU: nothing compiled per call
