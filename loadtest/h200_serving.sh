@@ -12,7 +12,8 @@
 # Results go to OUT/BACKEND (results.json, report.md, plots, server.log). With BENCH=1, vLLM's own
 # `vllm bench serve` then measures the 512/256 concurrency-32 point on the same server
 # (OUT/BACKEND/vllm_bench.json) for the cross-check. WORKLOADS="512:256:c=1,64 ..." replaces the
-# grid (e.g. a short check). Set MOK_COMMIT where the tree has no .git.
+# grid (e.g. a short check). PORT (default 8321) lets servers on different GPUs of one machine run
+# side by side (CUDA_VISIBLE_DEVICES picks each one's GPU). Set MOK_COMMIT where the tree has no .git.
 # Runs on the device machine, vLLM from ../shared/gpu-vllm.
 set -euo pipefail
 shape=$1 backend=$2 out=$3 rate=${4:-24}
