@@ -9,7 +9,9 @@ weight and tokenizer files.
 
 Block FP8.  ``deepseek_v3_fp8`` and ``qwen3_moe_fp8`` are the bf16 families with their routed
 experts quantized as DeepSeek-V3 ships them (float8_e4m3fn weights, an fp32 ``weight_scale_inv``
-per 128x128 block, ``quantization_config`` in ``config.json``); all other layers stay bf16.
+per 128x128 block, ``quantization_config`` in ``config.json``); all other layers stay bf16 (vLLM's
+CPU FP8 linear kernels need AMX). ``qwen3_moe_fp8_dense`` quantizes every linear layer but the
+routers, as the real checkpoints do: for GPUs, where its dense layers run vLLM's block-FP8 GEMM.
 
 Greedy robustness.  The project compares greedy outputs between configurations that only
 differ by floating-point rounding (MoE backends, TP1 vs TP2).  A purely random model has
@@ -155,6 +157,8 @@ class TinyFamily:
     # with the routed experts quantized as ``quantization`` (the checkpoint's quantization_config).
     base: str | None = None
     quantization: dict[str, Any] | None = None
+    # Every linear layer but the routers quantized too, not only the routed experts (GPU only).
+    quantized_dense: bool = False
 
     @property
     def model_type(self) -> str:
@@ -176,6 +180,7 @@ class TinyFamily:
             ],
             "base": self.base,
             "quantization": self.quantization,
+            "quantized_dense": self.quantized_dense,
         }
 
 
@@ -299,21 +304,30 @@ FP8_BLOCK_QUANTIZATION: dict[str, Any] = {
 }
 
 
-def _block_fp8(base: TinyFamily) -> TinyFamily:
+def _block_fp8(base: TinyFamily, dense: bool = False) -> TinyFamily:
     block_n, block_k = FP8_BLOCK_QUANTIZATION["weight_block_size"]
     c = base.config
     # Whole blocks only (what DeepSeek-V3 ships), so every scale covers a full 128x128 tile.
     assert c["hidden_size"] % block_k == 0 and c["moe_intermediate_size"] % block_n == 0, base.name
     return replace(
         base,
-        name=f"{base.name}_fp8",
+        name=f"{base.name}_fp8" + ("_dense" if dense else ""),
         base=base.name,
-        description=f"{base.description}; routed experts in block FP8 (e4m3, 128x128 scales)",
+        description=f"{base.description}; "
+        + ("every linear layer but the routers" if dense else "routed experts") + " in block FP8 (e4m3, 128x128 scales)",
         quantization=FP8_BLOCK_QUANTIZATION,
+        quantized_dense=dense,
     )
 
 
-FAMILIES.update((f.name, f) for f in (_block_fp8(FAMILIES["deepseek_v3"]), _block_fp8(FAMILIES["qwen3_moe"])))
+def _quantized(fam: TinyFamily, vocab: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """The parameters of ``fam`` stored in block FP8."""
+    return [(name, shape, kind) for name, shape, kind in param_specs(fam, vocab)
+            if kind == "linear" and (fam.quantized_dense or _is_routed_expert(name))]
+
+
+FAMILIES.update((f.name, f) for f in (_block_fp8(FAMILIES["deepseek_v3"]), _block_fp8(FAMILIES["qwen3_moe"]),
+                                      _block_fp8(FAMILIES["qwen3_moe"], dense=True)))
 
 DEFAULT_FAMILY = "qwen3_moe"
 
@@ -533,22 +547,24 @@ def _make_weights(fam: TinyFamily, vocab: int, n_special: int) -> dict[str, Any]
             raise AssertionError(kind)
         arrays[name] = np.ascontiguousarray(a, dtype=np.float32)
     weights = {k: torch.from_numpy(v).to(torch.bfloat16) for k, v in arrays.items()}
-    return _quantize_routed_experts(fam, weights) if fam.quantization else weights
+    return _quantize(fam, weights, vocab) if fam.quantization else weights
 
 
 def _is_routed_expert(name: str) -> bool:
     return ".mlp.experts." in name
 
 
-def _quantize_routed_experts(fam: TinyFamily, weights: dict[str, Any]) -> dict[str, Any]:
-    """Block-FP8 routed experts in the checkpoint layout vLLM loads (``weight`` + ``weight_scale_inv``),
-    quantized from the bf16 weights, so dequantizing gives back the base family's weights."""
+def _quantize(fam: TinyFamily, weights: dict[str, Any], vocab: int) -> dict[str, Any]:
+    """Block-FP8 layers (``_quantized``) in the checkpoint layout vLLM loads (``weight`` +
+    ``weight_scale_inv``), quantized from the bf16 weights, so dequantizing gives back the base
+    family's weights."""
     from mok_serve.kernels.fp8 import quantize_fp8_blocks
 
     block = tuple(fam.quantization["weight_block_size"])
+    quantized = {name for name, _, _ in _quantized(fam, vocab)}
     out = {}
     for name, w in weights.items():
-        if not _is_routed_expert(name):
+        if name not in quantized:
             out[name] = w
             continue
         q, scale = quantize_fp8_blocks(w, block=block)
@@ -581,11 +597,11 @@ def make_config(fam: TinyFamily, vocab: int, ids: dict[str, int]) -> dict[str, A
     d["dtype"] = "bfloat16"
     d.pop("transformers_version", None)
     if fam.quantization:
-        # Only the routed experts are quantized: vLLM's CPU FP8 linear kernels need AMX, and the
-        # experts are what kittens runs. Every other linear layer (routers included: Qwen3-MoE's
-        # is a quantizable linear in vLLM) is listed as left in bf16.
+        # Every linear layer left in bf16 (routers included: Qwen3-MoE's is a quantizable linear
+        # in vLLM) is listed as such.
+        quantized = {name for name, _, _ in _quantized(fam, vocab)}
         linears = [name for name, _, kind in param_specs(fam, vocab) if kind in ("linear", "router")]
-        ignored = [name.removesuffix(".weight") for name in linears if not _is_routed_expert(name)]
+        ignored = [name.removesuffix(".weight") for name in linears if name not in quantized]
         d["quantization_config"] = {**fam.quantization, "ignored_layers": ignored}
     return d
 

@@ -2,7 +2,8 @@
 servers, on tiny models filled with `--load-format kittens-random` (random weights at trained
 scales: dummy weights leave every server, invariant or not, with one completion per prompt).
 
-Per family (bf16 and block FP8), 100 probes each, all servers probed at once: kittens
+Per family (bf16, and block FP8 in every linear layer but the routers: experts and dense layers
+alike, as the real checkpoints ship), 100 probes each, all servers probed at once: kittens
 `--deterministic` with prefix caching off and on, and with `--enforce-eager`, must give one
 completion (token ids and logprobs) for a greedy probe sent alone and beside 0-48 concurrent
 companions (decoding, prefilling with it, arriving during its decode; long prompts make eager
@@ -31,7 +32,7 @@ from mok_serve.server_process import ServerError, ServerProcess
 
 pytestmark = pytest.mark.gpu
 
-FAMILIES = ("qwen3_moe", "qwen3_moe_fp8")
+FAMILIES = ("qwen3_moe", "qwen3_moe_fp8_dense")
 COMMON = ["--attention-backend", "TRITON_ATTN", "--load-format", "kittens-random", "--max-model-len", "4096",
           "--gpu-memory-utilization", "0.05", "--kv-cache-memory-bytes", str(1 << 30)]
 SERVERS = {  # name: (mok-serve options, VLLM_BATCH_INVARIANT for the server)

@@ -202,7 +202,7 @@ def test_cli(tmp_path, capsys):
     assert printed == str(tm.build_tiny_model(cache_dir=tmp_path))
 
 
-FP8_FAMILIES = ["deepseek_v3_fp8", "qwen3_moe_fp8"]
+FP8_FAMILIES = ["deepseek_v3_fp8", "qwen3_moe_fp8", "qwen3_moe_fp8_dense"]
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +211,7 @@ def built_fp8(cache_root):
 
 
 @pytest.mark.parametrize("family", FP8_FAMILIES)
-def test_fp8_family_is_its_bf16_family_with_block_fp8_experts(built, built_fp8, family):
+def test_fp8_family_is_its_bf16_family_with_block_fp8_layers(built, built_fp8, family):
     from safetensors.torch import load_file
 
     from mok_serve.kernels.fp8 import dequantize_fp8_blocks
@@ -226,8 +226,12 @@ def test_fp8_family_is_its_bf16_family_with_block_fp8_experts(built, built_fp8, 
         "weight_block_size": [128, 128],
         "activation_scheme": "dynamic",
     }
-    experts = [k for k in bf16 if ".mlp.experts." in k]
-    assert experts
+    # The routed experts, or with quantized_dense every linear layer but the routers.
+    dense = tm.FAMILIES[family].quantized_dense
+    linears = {k for k, v in bf16.items() if v.dim() == 2} - {"model.embed_tokens.weight", "lm_head.weight"}
+    routers = {k for k in linears if k.endswith(".mlp.gate.weight")}
+    experts = sorted(linears - routers if dense else {k for k in bf16 if ".mlp.experts." in k})
+    assert experts and (not dense or any(".self_attn." in k for k in experts))
     assert set(fp8) == set(bf16) | {k.removesuffix("weight") + "weight_scale_inv" for k in experts}
     for name, w in bf16.items():
         if name not in experts:
@@ -240,11 +244,8 @@ def test_fp8_family_is_its_bf16_family_with_block_fp8_experts(built, built_fp8, 
         w, error = w.float(), (dequantize_fp8_blocks(q, scale) - w.float()).abs()
         bound = torch.maximum(w.abs() / 16, scale.repeat_interleave(128, 0).repeat_interleave(128, 1) / 1024)
         assert (error <= bound * 1.0001).all(), name
-    # Every other linear layer, routers included, stays bf16 and is named so (vLLM's CPU FP8
-    # linears need AMX).
-    linears = {k.removesuffix(".weight") for k, v in bf16.items() if v.dim() == 2 and k not in experts}
-    linears -= {"model.embed_tokens", "lm_head"}
-    assert set(quant["ignored_layers"]) == linears
+    # Every other linear layer, routers included, stays bf16 and is named so.
+    assert set(quant["ignored_layers"]) == {k.removesuffix(".weight") for k in linears if k not in experts}
 
 
 @pytest.mark.parametrize("family", FP8_FAMILIES)
