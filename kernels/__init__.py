@@ -8,7 +8,7 @@ All compute the function documented in ``reference.py``. ``fused_moe_fp8``
 (``torch.ops.mok_serve.fused_moe_fp8``) is the same for block-scaled FP8 experts (``fp8.py``;
 Triton kernels in ``cuda/moe_fp8.py``). ``invariant_linear`` (``torch.ops.mok_serve.invariant_linear``)
 is the batch-invariant dense layer a deterministic server runs its other layers with (``linear.py``;
-Triton kernels in ``cuda/linear.py``), ``invariant_rms_norm`` (``torch.ops.mok_serve.invariant_rms_norm``)
+Triton kernels in ``cuda/linear.py``; ``invariant_linear_fp8`` the same for block-FP8 weights), ``invariant_rms_norm`` (``torch.ops.mok_serve.invariant_rms_norm``)
 its norms with the residual add (``norm.py``; ``cuda/norm.py``), ``invariant_attention`` its paged attention (``attention.py``;
 ``cuda/attention.py``; called where vLLM calls its attention kernel, outside compiled graphs, so a
 plain function).
@@ -18,7 +18,7 @@ import torch
 
 from .attention import attention_reference
 from .fp8 import BLOCK_SHAPE, as_block_shape, fused_moe_fp8_reference
-from .linear import invariant_linear_reference
+from .linear import invariant_linear_fp8_reference, invariant_linear_reference
 from .norm import rms_norm_reference
 from .reference import check_fused_moe_args, fused_moe_reference
 from .routing import grouped_sigmoid_topk, softmax_topk
@@ -33,6 +33,8 @@ __all__ = [
     "grouped_sigmoid_topk",
     "invariant_attention",
     "invariant_linear",
+    "invariant_linear_fp8",
+    "invariant_linear_fp8_reference",
     "invariant_linear_reference",
     "invariant_rms_norm",
     "rms_norm_reference",
@@ -185,6 +187,34 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return torch.ops.mok_serve.invariant_linear(x, weight, bias)
 
 
+def _invariant_linear_fp8_impl(x, weight, weight_scale, bias):
+    if x.is_cuda:
+        from .cuda.linear import invariant_linear_fp8_triton
+
+        if _invariant_warm_up_rows and _first_call(("linear_fp8", x.device, x.dtype, tuple(weight.shape),
+                                                     weight.stride(), bias is None)):
+            warm_up_linear(x, weight, bias, _invariant_warm_up_rows, weight_scale=weight_scale)
+        return invariant_linear_fp8_triton(x, weight, weight_scale, bias)
+    return invariant_linear_fp8_reference(x, weight, weight_scale, bias)
+
+
+_define_op(
+    "invariant_linear_fp8",
+    "Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias",
+    _invariant_linear_fp8_impl,
+    fake=lambda x, weight, weight_scale, bias: x.new_empty((*x.shape[:-1], weight.shape[0])),
+)
+
+
+def invariant_linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``invariant_linear`` for block-FP8 weights (DeepSeek-V3's dense layers): ``weight`` e4m3
+    ``[N, K]`` with fp32 ``weight_scale`` ``[ceil(N/128), ceil(K/128)]`` (multiply to dequantize),
+    ``x`` bf16 or fp16 quantized per token in 128-column groups; each row's bits independent of
+    the other rows (``linear.py``). Bad arguments raise ``ValueError`` naming the problem."""
+    return torch.ops.mok_serve.invariant_linear_fp8(x, weight, weight_scale, bias)
+
+
 def _invariant_rms_norm_impl(x, residual, weight, eps):
     if x.is_cuda:
         from .cuda.norm import invariant_rms_norm_triton
@@ -313,30 +343,37 @@ def _first_call(key: tuple) -> bool:
     return True
 
 
-def warm_up_linear_rows(n: int, k: int, max_rows: int) -> list[int]:
-    """The smallest row count of each ``invariant_linear`` variant (tile config, split or not) that
-    calls of 1 to ``max_rows`` rows with a weight ``[n, k]`` run, in increasing order."""
+def warm_up_linear_rows(n: int, k: int, max_rows: int, *, fp8: bool = False) -> list[int]:
+    """The smallest row count of each ``invariant_linear`` (``fp8``: ``invariant_linear_fp8``) variant
+    (tile config, split or not) that calls of 1 to ``max_rows`` rows with a weight ``[n, k]`` run,
+    in increasing order."""
     from .cuda.linear import linear_plan
 
     first: dict[tuple, int] = {}
     for rows in range(1, max_rows + 1):
-        config, _, split = linear_plan(rows, n, k)
+        config, _, split = linear_plan(rows, n, k, fp8=fp8)
         first.setdefault((tuple(sorted(config.items())), split), rows)
     return list(first.values())
 
 
-def warm_up_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int) -> list[int]:
-    """Compile now every Triton variant of ``invariant_linear`` calls of 1 to ``max_rows`` rows with
-    this weight (and bias, and ``x``'s dtype and device): one call on zeros at each of
-    ``warm_up_linear_rows``, which it returns (``[]`` off CUDA, where nothing is compiled per call)."""
+def warm_up_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int, *,
+                   weight_scale: torch.Tensor | None = None) -> list[int]:
+    """Compile now every Triton variant of ``invariant_linear`` (with ``weight_scale``:
+    ``invariant_linear_fp8``) calls of 1 to ``max_rows`` rows with this weight (and bias, and
+    ``x``'s dtype and device): one call on zeros at each of ``warm_up_linear_rows``, which it
+    returns (``[]`` off CUDA, where nothing is compiled per call)."""
     if not x.is_cuda:
         return []
-    from .cuda.linear import invariant_linear_triton
+    from .cuda.linear import invariant_linear_fp8_triton, invariant_linear_triton
 
     n, k = weight.shape
-    rows = warm_up_linear_rows(n, k, max_rows)
+    rows = warm_up_linear_rows(n, k, max_rows, fp8=weight_scale is not None)
     for m in rows:
-        invariant_linear_triton(torch.zeros((m, k), dtype=x.dtype, device=x.device), weight, bias)
+        zeros = torch.zeros((m, k), dtype=x.dtype, device=x.device)
+        if weight_scale is None:
+            invariant_linear_triton(zeros, weight, bias)
+        else:
+            invariant_linear_fp8_triton(zeros, weight, weight_scale, bias)
     return rows
 
 

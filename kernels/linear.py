@@ -17,6 +17,13 @@ alone, never on the row count: that is what lets a decode-sized call spread a na
 all SMs (one program per chunk and column tile, chunk sums added afterwards in chunk order) while
 a prefill-sized call adds the same chunk sums inside each program.
 
+Block FP8 (``invariant_linear_fp8``, the dense layers of DeepSeek-V3-style checkpoints: e4m3 weights
+with one fp32 scale per 128 x 128 block): ``x`` is first quantized per token in groups of 128
+columns (``fp8.quantize_fp8_groups``), and each K block ``b`` of 128 columns contributes
+``D_b * xs[m, b] * ws[n // 128, b]`` with ``D_b`` the fp32 sum of its 128 e4m3 products; a chunk's
+sum ``P_c`` adds its blocks' contributions in K order to 0. The chunks, their order, the bias and
+the rounding are as above.
+
 On CUDA the Triton kernels of ``cuda/linear.py`` compute it (each output element chains the same
 16-deep wgmma k-steps on one fp32 accumulator per chunk, whatever the tile; ``cuda/configs.py``);
 elsewhere ``invariant_linear_reference`` below, whose GEMMs run as fixed 8-row GEMMs on the CPU
@@ -29,7 +36,10 @@ import torch
 
 from .reference import rows_mm
 
-__all__ = ["K_CHUNK_ALIGN", "check_linear_args", "invariant_linear_reference", "k_chunk"]
+__all__ = ["K_CHUNK_ALIGN", "check_linear_args", "check_linear_fp8_args", "invariant_linear_fp8_reference",
+           "invariant_linear_reference", "k_chunk"]
+
+FP8_BLOCK = 128  # the weights' scale block (both sides) and the activations' quantization group
 
 # Chunk lengths are multiples of every K block the kernels use, so no K block straddles two chunks.
 K_CHUNK_ALIGN = 128
@@ -100,6 +110,55 @@ def invariant_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torc
         for k0 in range(0, k, step):
             part = rows_mm(rows[:, k0 : k0 + step].float(), weight[:, k0 : k0 + step].float())
             total = part if total is None else total + part
+    if bias is not None:
+        total = total + bias.float()
+    return total.to(x.dtype).reshape(out_shape)
+
+
+def check_linear_fp8_args(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                          bias: torch.Tensor | None) -> None:
+    """Raise ``ValueError`` naming what is wrong with the arguments of ``invariant_linear_fp8``."""
+    if x.dim() < 1 or x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"x must be bfloat16 or float16 with shape [..., K], got {x.dtype} {list(x.shape)}")
+    if weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"weight must be float8_e4m3fn [N, K], got {weight.dtype} {list(weight.shape)}")
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x's last dimension ({x.shape[-1]}) must equal weight's K ({k})")
+    blocks = (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
+    if weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) != blocks:
+        raise ValueError(f"weight_scale must be float32 {list(blocks)} (one per {FP8_BLOCK}x{FP8_BLOCK} block), "
+                         f"got {weight_scale.dtype} {list(weight_scale.shape)}")
+    for name, t in (("weight", weight), ("weight_scale", weight_scale), ("bias", bias)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, x on {x.device}")
+    if bias is not None and (bias.shape != (n,) or not bias.is_floating_point()):
+        raise ValueError(f"bias must be floating point [N] = [{n}], got {bias.dtype} {list(bias.shape)}")
+
+
+def invariant_linear_fp8_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The block-FP8 function of the module docstring in plain torch (any device): ``[..., N]`` in
+    ``x``'s dtype."""
+    from .fp8 import quantize_fp8_groups
+
+    check_linear_fp8_args(x, weight, weight_scale, bias)
+    n, k = weight.shape
+    rows = x.reshape(math.prod(x.shape[:-1]), k)
+    out_shape = (*x.shape[:-1], n)
+    if rows.shape[0] == 0 or n == 0:
+        return x.new_empty(out_shape)
+    xq, xs = quantize_fp8_groups(rows, FP8_BLOCK)
+    ws = weight_scale.repeat_interleave(FP8_BLOCK, 0)[:n]  # [N, K blocks]
+    step = k_chunk(n, k) if k else 1
+    total = torch.zeros((rows.shape[0], n), dtype=torch.float32, device=x.device) if k == 0 else None
+    for k0 in range(0, k, step):
+        part = torch.zeros((rows.shape[0], n), dtype=torch.float32, device=x.device)
+        for b0 in range(k0, min(k0 + step, k), FP8_BLOCK):
+            b = b0 // FP8_BLOCK
+            d = rows_mm(xq[:, b0 : b0 + FP8_BLOCK].float(), weight[:, b0 : b0 + FP8_BLOCK].float())
+            part = part + d * (xs[:, b : b + 1] * ws[:, b][None, :])  # as the kernels: D_b * (xs * ws)
+        total = part if total is None else total + part
     if bias is not None:
         total = total + bias.float()
     return total.to(x.dtype).reshape(out_shape)

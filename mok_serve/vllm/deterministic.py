@@ -8,7 +8,9 @@ invariant:
 
 - the dense layers (``mok_serve.kernels.invariant_linear``) where vLLM's invariant mode calls its
   own GEMM, which runs one fixed 128x128 tile for every row count, so a decode step's skinny
-  matmuls use a fraction of each tile and, for narrow weights, a fraction of the SMs;
+  matmuls use a fraction of each tile and, for narrow weights, a fraction of the SMs; and the
+  block-FP8 dense layers (``invariant_linear_fp8``), which vLLM's invariant mode leaves to its usual
+  block-FP8 GEMM (on Hopper a CUTLASS kernel whose batch invariance vLLM does not state);
 - the RMSNorms (``mok_serve.kernels.invariant_rms_norm``, the residual add fused) where vLLM's
   invariant mode calls its own: its residual path runs vLLM's CUDA ``fused_add_rms_norm``, whose
   thread block (so its sum order) changes at 256 rows for hidden sizes above 2048 as its public
@@ -29,7 +31,15 @@ import vllm.envs as envs
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 
-from mok_serve.kernels import invariant_attention, invariant_linear, invariant_rms_norm, warm_up_invariant_kernels
+import torch
+
+from mok_serve.kernels import (
+    invariant_attention,
+    invariant_linear,
+    invariant_linear_fp8,
+    invariant_rms_norm,
+    warm_up_invariant_kernels,
+)
 
 logger = init_logger("vllm.mok_serve")
 
@@ -41,6 +51,7 @@ LINEAR_CALLERS = (
     "vllm.model_executor.layers.vocab_parallel_embedding",
 )
 NORM_CALLER = "vllm.model_executor.layers.layernorm"
+FP8_LINEAR = "vllm.model_executor.layers.quantization.fp8"  # its Fp8LinearMethod
 ATTENTION_CALLER = "vllm.v1.attention.backends.triton_attn"
 
 _installed = False
@@ -93,6 +104,26 @@ def kittens_unified_attention(vllm_kernel, max_model_len: int):
     return unified_attention
 
 
+def kittens_fp8_linear_apply(vllm_apply):
+    """A stand-in for vLLM's ``Fp8LinearMethod.apply`` that runs block-FP8 (128x128) layers through
+    ``invariant_linear_fp8``, and every other FP8 layer through ``vllm_apply``."""
+
+    def apply(self, layer, x, bias=None):
+        if not (self.block_quant and list(self.weight_block_size) == [128, 128]):
+            return vllm_apply(self, layer, x, bias)
+        scale = getattr(layer, "weight_scale_inv", None)
+        if scale is None or layer.weight.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32:
+            # vLLM re-laid the weights out for another kernel (e8m0 scales, say): not ours to read.
+            raise RuntimeError(
+                f"kittens --deterministic: a block-FP8 layer holds {layer.weight.dtype} weights with "
+                f"{None if scale is None else scale.dtype} scales; it runs e4m3 weights with fp32 "
+                "weight_scale_inv (DeepSeek-V3's checkpoint format)")
+        return invariant_linear_fp8(x, layer.weight, scale, bias)
+
+    apply.vllm_apply = vllm_apply
+    return apply
+
+
 def wanted() -> bool:
     """Whether this process serves in batch-invariant mode on CUDA, where kittens' kernels apply."""
     return bool(envs.VLLM_BATCH_INVARIANT) and current_platform.is_cuda()
@@ -123,11 +154,13 @@ def install() -> bool:
     config = get_current_vllm_config_or_none()
     max_model_len = config.model_config.max_model_len if config is not None and config.model_config else 0
     attention.unified_attention = kittens_unified_attention(attention.unified_attention, max_model_len)
+    fp8 = importlib.import_module(FP8_LINEAR)
+    fp8.Fp8LinearMethod.apply = kittens_fp8_linear_apply(fp8.Fp8LinearMethod.apply)
     # Each dense layer's and attention layer's first call compiles the kernel variants of every
     # batch the scheduler can form, as the kittens experts' first call does (experts.py).
     max_tokens = config.scheduler_config.max_num_batched_tokens if config is not None else 0
     warm_up_invariant_kernels(max_tokens or 0)
     _installed = True
-    logger.info_once("kittens: deterministic serving: dense layers, RMSNorms and Triton paged attention run "
-                     "mok-serve's batch-invariant kernels")
+    logger.info_once("kittens: deterministic serving: dense layers (bf16 and block FP8), RMSNorms and Triton "
+                     "paged attention run mok-serve's batch-invariant kernels")
     return True

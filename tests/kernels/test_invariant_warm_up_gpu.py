@@ -17,9 +17,16 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from attention_test_utils import Batch  # noqa: E402
-from mok_serve.kernels import invariant_attention, invariant_linear, warm_up_attention, warm_up_linear  # noqa: E402
+from mok_serve.kernels import (  # noqa: E402
+    invariant_attention,
+    invariant_linear,
+    invariant_linear_fp8,
+    warm_up_attention,
+    warm_up_linear,
+)
 from mok_serve.kernels.cuda import attention as cuda_attention  # noqa: E402
 from mok_serve.kernels.cuda import linear as cuda_linear  # noqa: E402
+from mok_serve.kernels.fp8 import quantize_fp8_blocks  # noqa: E402
 from moe_test_utils import DEV, fresh_seed  # noqa: E402
 
 
@@ -28,19 +35,24 @@ def compiled(*kernels) -> int:
     return sum(len(cache[0]) for kernel in kernels for cache in kernel.device_caches.values())
 
 
-def test_no_linear_call_compiles_after_its_warm_up():
+@pytest.mark.parametrize("fp8", [False, True])
+def test_no_linear_call_compiles_after_its_warm_up(fp8):
     # A weight shape no other test uses, so its variants are compiled here first.
     n, k, max_rows = 1088, 1408, 1200
     g = torch.Generator(device=DEV).manual_seed(fresh_seed())
     w = torch.randn((n, k), generator=g, device=DEV, dtype=torch.bfloat16)
     bias = torch.randn((n,), generator=g, device=DEV, dtype=torch.bfloat16)
-    kernels = (cuda_linear._linear_kernel, cuda_linear._linear_reduce_kernel)
+    scale = None
+    if fp8:
+        w, scale = quantize_fp8_blocks(w)
+    kernels = (cuda_linear._linear_kernel, cuda_linear._linear_reduce_kernel, cuda_linear._quantize_kernel)
     for b in (None, bias):
-        rows = warm_up_linear(w[:1], w, b, max_rows)
+        rows = warm_up_linear(bias[:1], w, b, max_rows, weight_scale=scale)
         assert rows[0] == 1 and rows == sorted(rows) and len(rows) >= 4
         before = compiled(*kernels)
         for m in sorted({*range(1, 70), *range(250, 270), *range(1, max_rows + 1, 37), max_rows}):
-            invariant_linear(torch.randn((m, k), generator=g, device=DEV, dtype=torch.bfloat16), w, b)
+            x = torch.randn((m, k), generator=g, device=DEV, dtype=torch.bfloat16)
+            invariant_linear(x, w, b) if scale is None else invariant_linear_fp8(x, w, scale, b)
         torch.cuda.synchronize()
         assert compiled(*kernels) == before, b is None
 

@@ -25,6 +25,9 @@ def test_install_puts_kittens_linear_where_vllm_calls_its_own(monkeypatch):
         monkeypatch.setattr(m, "linear_batch_invariant", m.linear_batch_invariant)
     monkeypatch.setattr(norm, "rms_norm_batch_invariant", norm.rms_norm_batch_invariant)
     monkeypatch.setattr(attention, "unified_attention", attention.unified_attention)
+    fp8 = importlib.import_module(deterministic.FP8_LINEAR)
+    monkeypatch.setattr(fp8.Fp8LinearMethod, "apply", fp8.Fp8LinearMethod.apply)
+    vllm_fp8_apply = fp8.Fp8LinearMethod.apply
     vllm_attention = attention.unified_attention
     from vllm.config import SchedulerConfig, VllmConfig, set_current_vllm_config
 
@@ -39,6 +42,7 @@ def test_install_puts_kittens_linear_where_vllm_calls_its_own(monkeypatch):
     assert all(m.linear_batch_invariant is deterministic.kittens_linear_batch_invariant for m in modules)
     assert norm.rms_norm_batch_invariant is deterministic.kittens_rms_norm_batch_invariant
     assert attention.unified_attention.vllm_kernel is vllm_attention
+    assert fp8.Fp8LinearMethod.apply.vllm_apply is vllm_fp8_apply
     # vLLM's contract: weight [N, K], a bias broadcastable to [N].
     x, w = torch.randn(3, 5, 64), torch.randn(7, 64)
     out = deterministic.kittens_linear_batch_invariant(x, w, torch.tensor([0.5]))
@@ -143,3 +147,26 @@ def test_attention_stand_in_runs_kittens_where_it_covers_the_call_and_vllm_elsew
                    dict(window_size=(9, 9)), dict(causal=False)):
         stand_in(**kwargs(**change))
     assert len(calls) == 5
+
+
+def test_fp8_linear_stand_in_runs_block_fp8_layers_through_kittens():
+    from types import SimpleNamespace
+
+    from mok_serve.kernels import invariant_linear_fp8_reference
+    from mok_serve.kernels.fp8 import quantize_fp8_blocks
+
+    calls = []
+    apply = deterministic.kittens_fp8_linear_apply(lambda self, layer, x, bias=None: calls.append(layer) or "vllm")
+    wq, ws = quantize_fp8_blocks(torch.randn(256, 384) / 20)
+    layer = SimpleNamespace(weight=wq, weight_scale_inv=ws)
+    block = SimpleNamespace(block_quant=True, weight_block_size=[128, 128])
+    x = torch.randn(3, 384).to(torch.bfloat16)
+    assert torch.equal(apply(block, layer, x), invariant_linear_fp8_reference(x, wq, ws))
+    assert not calls
+    # Per-tensor FP8 and other block shapes stay vLLM's.
+    for method in (SimpleNamespace(block_quant=False, weight_block_size=None),
+                   SimpleNamespace(block_quant=True, weight_block_size=[64, 64])):
+        assert apply(method, layer, x) == "vllm"
+    # Weights laid out for another kernel are refused, naming what was found.
+    with pytest.raises(RuntimeError, match="e8m0|float8_e8m0fnu"):
+        apply(block, SimpleNamespace(weight=wq, weight_scale_inv=ws.to(torch.float8_e8m0fnu)), x)
