@@ -7,6 +7,7 @@
 #   bash loadtest/h200_check.sh linear-tests OUT         # pytest -m gpu: the batch-invariant GEMM, attention, RMSNorm, warm-up
 #   bash loadtest/h200_check.sh deterministic-serving OUT  # pytest -m gpu: the --deterministic servers' probe (vLLM)
 #   bash loadtest/h200_check.sh linear OUT [ARGS...]     # mok-loadtest linear: it against cuBLAS and vLLM's invariant GEMM
+#   bash loadtest/h200_check.sh linear-fp8 OUT [ARGS...] # mok-loadtest linear --fp8: block FP8 against vLLM's GEMMs
 #   bash loadtest/h200_check.sh sweep-linear OUT [ARGS...]  # its tile variants at prefill-sized points
 #   bash loadtest/h200_check.sh attention OUT [ARGS...]  # mok-loadtest attention: invariant attention against vLLM's
 #   bash loadtest/h200_check.sh step-profile OUT SHAPE MOE_BACKEND [ARGS...]  # one decode step at c=1 (ARGS:
@@ -52,7 +53,8 @@ case $what in
       --sweep-labels default "g1 n128" "g1 n32" "one launch" "one launch n32" "g2 m64 s3" "g2 m64 s4" \
       "g2 m64 group32" group32 "g2 half tail" "$@" ;;
   linear-tests)
-    step "invariant_gpu_tests_$commit.log" 400 python3 -m pytest -m gpu -q tests/kernels/test_invariant_linear_gpu.py \
+    step "invariant_gpu_tests_$commit.log" 500 python3 -m pytest -m gpu -q tests/kernels/test_invariant_linear_gpu.py \
+      tests/kernels/test_invariant_linear_fp8_gpu.py \
       tests/kernels/test_invariant_attention_gpu.py tests/kernels/test_invariant_rms_norm_gpu.py \
       tests/kernels/test_invariant_warm_up_gpu.py ;;
   deterministic-serving)  # servers' logs and probes in one archive (a call brings back a bounded number of files)
@@ -62,6 +64,8 @@ case $what in
     tar czf "$out/deterministic_serving_$commit.tgz" -C "$out" deterministic_serving && rm -rf "$out/deterministic_serving" ;;
   linear)
     step "h200_check_linear_$commit.log" 570 mok-loadtest linear --out "$out" --no-history "$@" ;;
+  linear-fp8)  # block-FP8 dense layers: kittens against vLLM's CUTLASS and Triton GEMMs, each one's row-alone bits
+    step "h200_check_linear_fp8_$commit.log" 570 mok-loadtest linear --fp8 --out "$out" --no-history "$@" ;;
   sweep-linear)
     step "h200_check_sweep_linear_$commit.log" 570 mok-loadtest linear --sweep --no-history --out "$out" \
       --points Qwen3-30B-A3B:qkv_proj:2048 Qwen3-30B-A3B:o_proj:2048 Qwen3-30B-A3B:o_proj:256 \
@@ -73,5 +77,5 @@ case $what in
     mok-serve build-model --shape "$1" --out "$model" >/dev/null
     step "step_profile_$commit.log" 400 mok-loadtest step-profile "$model" --moe-backend "$2" "${@:3}" \
       --attention-backend TRITON_ATTN --out "$out" ;;
-  *) echo "usage: $0 tests|layer|layer-fp8|sweep-fp8|linear-tests|deterministic-serving|linear|sweep-linear|attention|step-profile OUT [ARGS...]" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|layer|layer-fp8|sweep-fp8|linear-tests|deterministic-serving|linear|linear-fp8|sweep-linear|attention|step-profile OUT [ARGS...]" >&2; exit 2 ;;
 esac

@@ -12,6 +12,14 @@ flushed before each (``harness.graph_time``); the floor is max(FLOPs / 790 TFLOP
 TB/s), bytes = weight + input + output once. Results: ``linear_bench.{json,md}`` in ``--out``,
 rows appended to ``history.csv`` (benchmark ``linear_bench``).
 
+``--fp8`` runs the dense layers as block-FP8 checkpoints ship them (e4m3 weights, 128 x 128 scales,
+activations quantized per token in 128-column groups): kittens' ``invariant_linear_fp8`` against
+vLLM's block-FP8 GEMMs, ``vllm-cutlass`` (what vLLM runs on Hopper, invariant mode or not) and
+``vllm-triton`` (its Triton kernel), each with vLLM's activation quantization; every provider's
+row alone is checked against the same row in the batch (the batch invariance question), the floor
+counts 1-byte weights at the measured dense FP8 rate (``harness.fp8_rate``). Files
+``linear_bench_fp8.{json,md}``, benchmark ``linear_bench_fp8``.
+
 ``--sweep`` times kittens' tile variants (``SWEEP``: the same function, so each is checked bit for
 bit against the default first) at ``--points MODEL:LAYER:ROWS``, ``--sweep-repeats`` times
 interleaved: ``linear_sweep.{json,md}`` (benchmark ``linear_sweep`` in ``history.csv``).
@@ -27,7 +35,7 @@ import sys
 import torch
 
 from .. import history
-from .harness import (PEAK_BYTES, PEAK_FLOPS, add_ratios, bench_meta, graph_time, passes, rel_err,
+from .harness import (PEAK_BYTES, PEAK_FLOPS, add_ratios, bench_meta, fp8_rate, graph_time, passes, rel_err,
                       timed_history_rows)
 
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
@@ -122,10 +130,12 @@ def sweep_markdown(meta: dict, results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def floor_ms(rows: int, n: int, k: int, elem_bytes: int = 2) -> float:
+def floor_ms(rows: int, n: int, k: int, fp8_flops: float | None = None) -> float:
+    """max(FLOPs / rate, bytes / HBM rate): bf16 weights at ``PEAK_FLOPS``, or with ``fp8_flops`` the
+    1-byte weights of block FP8 (their scales ignored) at that rate; bf16 inputs and outputs."""
     flops = 2.0 * rows * n * k
-    moved = (n * k + rows * k + rows * n) * elem_bytes
-    return max(flops / PEAK_FLOPS, moved / PEAK_BYTES) * 1e3
+    moved = n * k * (1 if fp8_flops else 2) + (rows * k + rows * n) * 2
+    return max(flops / (fp8_flops or PEAK_FLOPS), moved / PEAK_BYTES) * 1e3
 
 
 def providers() -> dict:
@@ -141,30 +151,72 @@ def providers() -> dict:
     return impls
 
 
-def measure(model: str, layer: str, n: int, k: int, rows: int, impls: dict, gen) -> dict:
-    w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(torch.bfloat16)
+def fp8_providers() -> dict:
+    """``fn(x, weight, weight_scale)`` of each block-FP8 provider (``--fp8``)."""
+    from mok_serve.kernels import invariant_linear_fp8
+
+    impls = {"kittens": invariant_linear_fp8}
+    try:
+        from vllm import _custom_ops as ops
+        from vllm.model_executor.layers.quantization.utils.fp8_utils import (per_token_group_quant_fp8,
+                                                                              w8a8_triton_block_scaled_mm)
+    except ImportError:
+        return impls
+
+    def cutlass(x, w, ws):  # as vLLM's CutlassFp8BlockScaledMMKernel
+        xq, xs = per_token_group_quant_fp8(x, 128, column_major_scales=True)
+        return ops.cutlass_scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws.t(), out_dtype=x.dtype)
+
+    def triton_block(x, w, ws):  # as vLLM's TritonFp8BlockScaledMMKernel
+        xq, xs = per_token_group_quant_fp8(x, 128)
+        return w8a8_triton_block_scaled_mm(xq, w, xs, ws, [128, 128], x.dtype)
+
+    impls["vllm-cutlass"] = cutlass
+    impls["vllm-triton"] = triton_block
+    return impls
+
+
+def measure(model: str, layer: str, n: int, k: int, rows: int, impls: dict, gen, fp8_flops: float | None = None) -> dict:
+    """One point: each provider's error against an fp32 reference, whether its last row alone has
+    the bits of the same row in the batch, and (where its output passes) its time."""
+    from mok_serve.kernels.fp8 import dequantize_fp8_blocks, dequantize_fp8_groups, quantize_fp8_blocks, quantize_fp8_groups
+
+    w = torch.randn(n, k, device="cuda", generator=gen) / k**0.5
     x = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
-    ref = x.float() @ w.float().t()
-    row = {"model": model, "layer": layer, "n": n, "k": k, "rows": rows, "floor_ms": floor_ms(rows, n, k)}
-    kittens = impls["kittens"](x, w)
-    alone = impls["kittens"](x[-1:], w)
-    row["kittens_row_alone_equal"] = bool(torch.equal(alone, kittens[-1:]))
+    if fp8_flops:
+        args = quantize_fp8_blocks(w)
+        ref = dequantize_fp8_groups(*quantize_fp8_groups(x.float())) @ dequantize_fp8_blocks(*args).t()
+    else:
+        args = (w.to(torch.bfloat16),)
+        ref = x.float() @ args[0].float().t()
+    row = {"model": model, "layer": layer, "n": n, "k": k, "rows": rows, "floor_ms": floor_ms(rows, n, k, fp8_flops)}
     for name, fn in impls.items():
-        err = rel_err(fn(x, w), ref)
+        try:
+            out = fn(x, *args)
+            alone = fn(x[-1:], *args)
+        except (RuntimeError, ValueError, AssertionError) as exc:  # a shape the provider does not take
+            row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            row[f"{name}_ms"] = None
+            continue
+        row[f"{name}_row_alone_equal"] = bool(torch.equal(alone, out[-1:]))
+        err = rel_err(out, ref)
         row[f"{name}_err"] = err
         if not passes(err, TOL):
             row[f"{name}_ms"] = None
             continue
-        row[f"{name}_ms"], _, _ = graph_time(lambda fn=fn: fn(x, w))
+        row[f"{name}_ms"], _, _ = graph_time(lambda fn=fn: fn(x, *args))
     add_ratios(row, impls)
     return row
 
 
 def markdown(meta: dict, rows: list[dict], names: list[str]) -> str:
     head = ["model", "layer", "N x K", "rows", "floor us", *[f"{n} us" for n in names], "kittens x floor",
-            *[f"vs {n}" for n in names if n != "kittens"], "row alone = in batch"]
+            *[f"vs {n}" for n in names if n != "kittens"], *[f"{n}: row alone = in batch" for n in names]]
     lines = [f"# Dense layers: kittens' batch-invariant GEMM vs stock ({meta['gpu']}, commit {meta['commit']})", "",
              meta["timing"], "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def same(v):
+        return "-" if v is None else "yes" if v else "**NO**"
 
     def us(v):
         return "-" if v is None else f"{v * 1e3:.1f}"
@@ -173,13 +225,15 @@ def markdown(meta: dict, rows: list[dict], names: list[str]) -> str:
         cells = [r["model"], r["layer"], f"{r['n']} x {r['k']}", str(r["rows"]), us(r["floor_ms"]),
                  *[us(r.get(f"{n}_ms")) for n in names], f"{r.get('kittens_x_floor', float('nan')):.2f}",
                  *[f"{r[f'speedup_vs_{n}']:.2f}x" if r.get(f"speedup_vs_{n}") else "-" for n in names if n != "kittens"],
-                 "yes" if r["kittens_row_alone_equal"] else "**NO**"]
+                 *[same(r.get(f"{n}_row_alone_equal")) for n in names]]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    errors = [f"- {r['model']} {r['layer']} {r['rows']} rows, {n}: {r[f'{n}_error']}" for r in rows for n in names
+              if r.get(f"{n}_error")]
+    return "\n".join(lines + (["", "Not run (the provider refused the call):", *errors] if errors else [])) + "\n"
 
 
-def history_rows(meta: dict, rows: list[dict], names: list[str]) -> list[dict]:
-    return timed_history_rows(meta, rows, names, "linear_bench", lambda r: f"{r['model']}:{r['layer']}",
+def history_rows(meta: dict, rows: list[dict], names: list[str], benchmark: str = "linear_bench") -> list[dict]:
+    return timed_history_rows(meta, rows, names, benchmark, lambda r: f"{r['model']}:{r['layer']}",
                               lambda r: r["rows"])
 
 
@@ -188,8 +242,10 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(DENSE_LAYERS), help="comma-separated, of: " + ", ".join(DENSE_LAYERS))
     p.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts (tokens per step)")
-    p.add_argument("--out", default=str(RESULTS), help="folder for linear_bench.{json,md}")
+    p.add_argument("--out", default=str(RESULTS), help="folder for linear_bench[_fp8].{json,md}")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--fp8", action="store_true",
+                   help="block-FP8 weights: kittens' invariant_linear_fp8 against vLLM's block-FP8 GEMMs")
     p.add_argument("--sweep", action="store_true", help="time kittens' tile variants (SWEEP) at --points instead")
     p.add_argument("--points", nargs="*", default=None, metavar="MODEL:LAYER:ROWS", help="the sweep's points")
     p.add_argument("--sweep-labels", nargs="*", default=None, metavar="LABEL",
@@ -215,10 +271,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from tqdm import tqdm
 
-    impls = providers()
+    impls = fp8_providers() if args.fp8 else providers()
     names = list(impls)
-    meta = bench_meta("Median of CUDA-graph replays, L2 flushed before each (triton.testing.do_bench); bf16 weights "
-                      "and inputs, no bias; `vs X`: X's time / kittens' time.")
+    rate = fp8_rate() if args.fp8 else None
+    weights = (f"block-FP8 weights (128 x 128 scales), bf16 inputs quantized per 1 x 128 group by each provider, floor "
+               f"at the measured dense FP8 rate {rate / 1e12:.0f} TFLOP/s" if rate else "bf16 weights and inputs")
+    meta = bench_meta("Median of CUDA-graph replays, L2 flushed before each (triton.testing.do_bench); "
+                      f"{weights}, no bias; `vs X`: X's time / kittens' time.")
+    name = "linear_bench_fp8" if args.fp8 else "linear_bench"
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -235,17 +295,19 @@ def main(argv: list[str] | None = None) -> int:
                        for r in results for i, t in enumerate(r["times_ms"])], history.resolve(args), "mok-loadtest linear")
         print(text)
         return 0 if all(r["same_bits"] is not False for r in results) else 1
-    points = [(m, layer, n, k, r) for m in models for layer, (n, k) in DENSE_LAYERS[m].items() for r in row_counts]
+    # FP8 checkpoints keep their routers and LM heads in bf16.
+    points = [(m, layer, n, k, r) for m in models for layer, (n, k) in DENSE_LAYERS[m].items() for r in row_counts
+              if not (args.fp8 and layer in ("router", "lm_head"))]
     rows = []
     for m, layer, n, k, r in tqdm(points, desc="dense layers", unit="point"):
-        rows.append(measure(m, layer, n, k, r, impls, gen))
+        rows.append(measure(m, layer, n, k, r, impls, gen, rate))
         torch.cuda.empty_cache()
-    (out / "linear_bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     text = markdown(meta, rows, names)
-    (out / "linear_bench.md").write_text(text)
-    history.write(history_rows(meta, rows, names), history.resolve(args), "mok-loadtest linear")
+    (out / f"{name}.md").write_text(text)
+    history.write(history_rows(meta, rows, names, name), history.resolve(args), "mok-loadtest linear")
     print(text)
-    return 0 if all(r["kittens_row_alone_equal"] and r.get("kittens_ms") is not None for r in rows) else 1
+    return 0 if all(r.get("kittens_row_alone_equal") and r.get("kittens_ms") is not None for r in rows) else 1
 
 
 if __name__ == "__main__":

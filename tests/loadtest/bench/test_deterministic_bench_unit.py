@@ -40,7 +40,16 @@ def test_linear_bench_floor_table_and_history_rows():
     rows = [dict(model="Qwen3-30B-A3B", layer="o_proj", n=2048, k=4096, rows=1, floor_ms=0.004, kittens_ms=0.005,
                  cublas_ms=0.006, kittens_x_floor=1.25, speedup_vs_cublas=1.2, kittens_row_alone_equal=True)]
     md = linear.markdown(meta, rows, ["kittens", "cublas"])
-    assert "| Qwen3-30B-A3B | o_proj | 2048 x 4096 | 1 | 4.0 | 5.0 | 6.0 | 1.25 | 1.20x | yes |" in md
+    assert "| Qwen3-30B-A3B | o_proj | 2048 x 4096 | 1 | 4.0 | 5.0 | 6.0 | 1.25 | 1.20x | yes | - |" in md
+    # Block FP8: 1-byte weights at the FP8 rate; a provider that refuses a shape is listed, not timed.
+    assert linear.floor_ms(1, 2048, 4096, 1.5e15) == (2048 * 4096 + (4096 + 2048) * 2) / linear.PEAK_BYTES * 1e3
+    assert linear.floor_ms(8192, 8192, 8192, 1.5e15) == 2.0 * 8192**3 / 1.5e15 * 1e3
+    refused = dict(rows[0], cublas_ms=None, cublas_error="RuntimeError: N must be a multiple of 128",
+                   speedup_vs_cublas=None, cublas_row_alone_equal=False)
+    md = linear.markdown(meta, [refused], ["kittens", "cublas"])
+    assert "| 1.25 | - | yes | **NO** |" in md
+    assert "- Qwen3-30B-A3B o_proj 1 rows, cublas: RuntimeError: N must be a multiple of 128" in md
+    assert linear.history_rows(meta, rows, ["kittens"], "linear_bench_fp8")[0]["benchmark"] == "linear_bench_fp8"
     hist = linear.history_rows(meta, rows, ["kittens", "cublas"])
     assert [(h["provider"], h["metric"]) for h in hist] == [("kittens", "time_ms"), ("cublas", "time_ms"),
                                                             ("floor", "floor_ms")]
