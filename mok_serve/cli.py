@@ -157,17 +157,21 @@ def _given(argv: list[str], option: str) -> bool:
 
 def _bind_cpu_threads(args) -> None:
     """vLLM's CPU workers bind their OpenMP threads one NUMA node each and refuse to start when
-    there are more workers than nodes (a 2-core VM has one); split this process's CPUs instead."""
+    there are more workers than nodes (a 2-core VM has one); split this process's CPUs instead.
+    vLLM reads one CPU list per local worker, data-parallel ranks first ([DP, PP, TP]); with fewer
+    CPUs than workers, workers share CPUs in turn (a tiny model on a small VM)."""
     from vllm.platforms import current_platform
 
-    workers = args.tensor_parallel_size * args.pipeline_parallel_size
-    if not current_platform.is_cpu() or workers < 2 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+    per_rank = args.tensor_parallel_size * args.pipeline_parallel_size
+    if not current_platform.is_cpu() or per_rank < 2 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return
+    workers = per_rank * (getattr(args, "data_parallel_size_local", None) or args.data_parallel_size)
     cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < workers:
-        raise SystemExit(f"mok-serve: {workers} CPU workers need at least {workers} CPUs; {len(cpus)} available")
-    per_worker = len(cpus) // workers
-    chunks = [cpus[i * per_worker : (i + 1) * per_worker] for i in range(workers)]
+    if len(cpus) >= workers:
+        per_worker = len(cpus) // workers
+        chunks = [cpus[i * per_worker : (i + 1) * per_worker] for i in range(workers)]
+    else:
+        chunks = [[cpus[i % len(cpus)]] for i in range(workers)]
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, c)) for c in chunks)
 
 

