@@ -2,13 +2,17 @@
 the stock backend, batch invariance, CPU tensor parallel + expert parallel, start-up errors."""
 
 import json
+import os
 import shutil
+import signal
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from serving_utils import PROMPTS, assert_greedy_agrees, dequantized_copy, client, greedy, greedy_all, greedy_logprobs, model_id
+from serving_utils import (PROMPTS, assert_greedy_agrees, client, dequantized_copy, greedy, greedy_all, greedy_logprobs,
+                           model_id, stream_completion)
 
 from mok_serve import tiny_models
 from mok_serve.server_process import ServerError, ServerProcess
@@ -114,6 +118,46 @@ def test_data_parallel_4_as_two_nodes_of_two_equals_tp1(kittens_server):
         for rank in range(4):
             assert (f"kittens EP: rank {rank} of 4 dispatches and combines over shared memory in nodes of 2 ranks, "
                     f"collectives between them (per-rank tokens)") in log
+
+
+def stream_outcome(server, model, prompt, max_tokens) -> str:
+    """"ok" for a streamed completion that ran to ``max_tokens``, else what ended it."""
+    try:
+        pieces, finish = stream_completion(server, model, prompt, max_tokens)
+    except Exception as exc:  # noqa: BLE001 - any error is an outcome here
+        return f"error: {type(exc).__name__}"
+    return "ok" if finish == "length" and len(pieces) == max_tokens else f"ended: {finish} after {len(pieces)}"
+
+
+def test_tensor_parallel_inside_two_simulated_nodes(kittens_server):
+    """DP2 x TP2 as two simulated nodes of two (MOK_EP_NODE_SIZE=2: a DP rank's two TP ranks share a
+    node): greedy output bitwise the one-rank output, 64 concurrent streams without an error, and a
+    rank of the other node killed mid-request ends every open stream with an error within 3 minutes."""
+    import psutil
+
+    expected = greedy_all(kittens_server)
+    with ServerProcess(["--data-parallel-size", "2", "--tensor-parallel-size", "2", "--enable-expert-parallel",
+                        *COMMON], env={"MOK_EP_NODE_SIZE": "2"}, startup_timeout=900) as server:
+        assert greedy_all(server, concurrent=True) == expected
+        for rank in range(4):
+            assert (f"kittens EP: rank {rank} of 4 dispatches and combines over shared memory in nodes of 2 ranks, "
+                    f"collectives between them") in server.log()
+        model = model_id(server)
+        with ThreadPoolExecutor(64) as pool:
+            outcomes = list(pool.map(lambda i: stream_outcome(server, model, PROMPTS[i % len(PROMPTS)], 8), range(64)))
+        assert outcomes == ["ok"] * 64
+        # DP rank 1's second TP rank (vLLM titles it VLLM::Worker_DP1_TP1_EP3): a rank of the other node.
+        titles = {p: " ".join(p.cmdline()) for p in psutil.Process(server.proc.pid).children(recursive=True)}
+        workers = [p for p, title in titles.items() if "Worker_DP1_TP1" in title]
+        assert len(workers) == 1, list(titles.values())
+        with ThreadPoolExecutor(16) as pool:
+            running = [pool.submit(stream_outcome, server, model, PROMPTS[i % len(PROMPTS)], 900) for i in range(16)]
+            time.sleep(5)
+            os.kill(workers[0].pid, signal.SIGKILL)
+            killed = time.monotonic()
+            ended = [f.result(timeout=180) for f in running]
+        assert time.monotonic() - killed < 180
+        assert all(o != "ok" for o in ended), ended
 
 
 SUPPORTED_MESSAGE = (
