@@ -146,15 +146,13 @@ def linear_plan(rows: int, n: int, k: int, config: dict | None = None, *, fp8: b
     ``rows`` rows and a weight ``[n, k]``; shapes only. ``config`` overrides the tile; ``fp8``
     (block-FP8 weights) takes 128-column K blocks, one weight scale block each."""
     g = dict(config) if config is not None else pick_linear_config(rows, n, k)
-    if fp8 and config is None:
+    if fp8:
         g["BLOCK_K"] = FP8_BLOCK
-        if g["BLOCK_M"] * g["BLOCK_N"] >= 64 * 128:
+        if config is None and g["BLOCK_M"] * g["BLOCK_N"] >= 64 * 128:
             # A K block's scaled products take a second fp32 tile beside the chunk's accumulator
             # (and a third, the chunks' total): 64 x 128 tiles on two warpgroups compile without
             # spills, one warpgroup or 128 x 128 tiles spill (sm_90a compile test).
             g.update(BLOCK_M=64, num_warps=8)
-    elif fp8:
-        g["BLOCK_K"] = FP8_BLOCK
     chunk = k_chunk(n, k)
     tiles = triton.cdiv(rows, g["BLOCK_M"]) * triton.cdiv(n, g["BLOCK_N"])
     return g, chunk, chunk < k and tiles < LINEAR_SPLIT_BELOW_TILES
