@@ -112,6 +112,9 @@ def test_cpu_thread_binding_lists_every_local_worker_data_parallel_ranks_first(m
     from vllm.platforms import current_platform
 
     monkeypatch.setattr(current_platform, "is_cpu", lambda: True)
+    # _bind_cpu_threads writes os.environ itself: record the variable's absence first, so teardown
+    # removes it (a leaked list binds every later test server's workers to these CPUs).
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "")
     cases = [  # (CPUs, TP, DP, DP local) -> VLLM_CPU_OMP_THREADS_BIND
         ([0, 1, 2, 3, 4, 5, 6, 7], 2, 1, None, "0,1,2,3|4,5,6,7"),
         ([0, 1, 2, 3], 2, 2, None, "0|1|2|3"),
