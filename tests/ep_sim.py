@@ -52,20 +52,70 @@ def local_experts(experts, placement, rank):
     return tuple(t[order.to(t.device)].contiguous() for t in experts)
 
 
+class SimulatedCollectives:
+    """The collectives between simulated ranks' nodes (``_Collectives``' interface): every rank makes
+    the same calls in the same order, and a call completes when its last rank makes it (``run_call``
+    runs a step on every rank before any rank's next step reads the outputs). ``endpoint(r)`` is
+    rank r's side."""
+
+    def __init__(self, world):
+        self.world = world
+        self.calls = [0] * world
+        self.pending = {}
+
+    def endpoint(self, rank):
+        fabric = self
+
+        class Endpoint:
+            def all_gather(self, out, inp):
+                fabric._join(rank, "all_gather", out, inp.clone(), None, None)
+
+            def all_to_all(self, out, inp, out_splits, in_splits):
+                fabric._join(rank, "all_to_all", out, inp.clone(), out_splits, in_splits)
+
+        return Endpoint()
+
+    def _join(self, rank, op, out, inp, out_splits, in_splits):
+        call = self.calls[rank]
+        self.calls[rank] += 1
+        joined = self.pending.setdefault(call, {})
+        joined[rank] = (op, out, inp, out_splits, in_splits)
+        if len(joined) < self.world:
+            return
+        del self.pending[call]
+        assert {j[0] for j in joined.values()} == {op}, f"collective {call}: ranks made different calls"
+        if op == "all_gather":
+            whole = torch.cat([joined[r][2] for r in range(self.world)])
+            for _, out, *_ in joined.values():
+                out.copy_(whole)
+            return
+        pieces = {r: joined[r][2].split(joined[r][4]) for r in range(self.world)}  # by destination
+        for d in range(self.world):
+            _, out, _, out_splits, _ = joined[d]
+            got = [pieces[r][d] for r in range(self.world)]
+            assert [p.numel() for p in got] == list(out_splits), f"collective {call}: rank {d}'s splits disagree"
+            out.copy_(torch.cat(got))
+
+
 def simulated_ranks(world, num_experts, *, max_tokens, hidden, top_k, device="cpu", replicated=False, quant=None,
-                    **workspace_kwargs):
+                    node_size=None, **workspace_kwargs):
     """``world`` workspaces over segments of one device, linear expert placement:
-    ``(ranks, placement, segments)``."""
+    ``(ranks, placement, segments)``. ``node_size``: ranks per simulated node (each rank's tables
+    hold only its node's segments; the nodes exchange through ``SimulatedCollectives``)."""
     from mok_serve.kernels.cuda import ep as ep_cuda  # at call time: the interpreter tests reload the module
 
     placement = ep_cuda.ExpertPlacement.linear(num_experts, world)
     sources = 1 if replicated else world
-    total = ep_cuda._Layout(world, sources, max_tokens, hidden, top_k, 2, fp8=quant == "fp8").total
+    node_size = node_size or world
+    total = ep_cuda._Layout(node_size, sources, max_tokens, hidden, top_k, 2, fp8=quant == "fp8",
+                            nodes=world // node_size).total
     segments = [torch.full((total,), 0xAB, dtype=torch.uint8, device=device) for _ in range(world)]
+    fabric = SimulatedCollectives(world)
     ranks = [
         ep_cuda.SymmetricMemoryEPWorkspace(
             None, max_tokens_per_rank=max_tokens, hidden_size=hidden, top_k=top_k, dtype=torch.bfloat16,
-            placement=placement, replicated_tokens=replicated, quant=quant, _simulated=(r, segments),
+            placement=placement, replicated_tokens=replicated, quant=quant, node_size=node_size,
+            _simulated=(r, segments), _exchange=fabric.endpoint(r) if node_size < world else None,
             **workspace_kwargs,
         )
         for r in range(world)

@@ -58,6 +58,17 @@ precedes step 6). ``y`` (and a peer's ``ret``) are overwritten in call ``e + 1``
 every peer's ``POSTED(e + 1)``, which a peer raises after its combine of call ``e``. So back-to-back
 calls and layers share one segment safely with two flag waits per call.
 
+Across nodes (``node_size`` ranks per node, fewer than the group): symmetric memory over the node's
+ranks only, collectives between nodes (kernels/DESIGN.md, across nodes). ``exchange_ids`` gathers
+every rank's count, bound and ids over the group before ``sync(POSTED)``; ``exchange_rows`` sends the
+rank's ``T`` rows to its peers of the same local index on the other nodes, into their inboxes, and
+``sync(INBOX)`` tells the node they are there; the gather pulls another node's source from the inbox
+of this node's rank of its local index. After ``sync(COMPUTED)``, ``collect`` gathers every (token, k)
+result this node computed for each other node's rank of this local index, ``exchange_results``
+returns them, and the combine reads a far owner's results there, in the same k order: the output
+stays bitwise one GPU's whatever the node layout. Ordering across calls: an inbox is overwritten only
+after every rank of the node posted the next call (so it finished pulling), as ``x`` is.
+
 Bounded waits and errors: every wait gives up after ``timeout_s`` (``%globaltimer`` on the GPU; a
 spin count under the interpreter), records (what, peer, epoch) in a device error word, and every
 later wait returns at once (outputs are then garbage; discard the workspace). The error surfaces as
@@ -93,11 +104,11 @@ from .tiles import cast, expert_tile, gemm1_tile, gemm2_tile, grid_dependency, n
 
 __all__ = ["ExpertPlacement", "PeerTimeoutError", "SymmetricMemoryEPWorkspace"]
 
-POSTED, COMPUTED = 0, 1
-NUM_SLOTS = 2
-ROWS = 2  # error code only: GEMM1 waited in vain for pulled rows (no flag slot)
+POSTED, COMPUTED, INBOX = 0, 1, 2  # INBOX: across nodes, the rows received for the node are posted
+NUM_SLOTS = 3
+ROWS = 3  # error code only: GEMM1 waited in vain for pulled rows (no flag slot)
 _ROWS_ERR = tl.constexpr(1 + ROWS)
-BOUND = 3  # error code only: a peer's call was sized by another max_tokens_across_ranks
+BOUND = 4  # error code only: a peer's call was sized by another max_tokens_across_ranks
 _BOUND_ERR = tl.constexpr(1 + BOUND)
 PULL_BT = 16  # tokens per pulled chunk (one claim and one ready flag each)
 # state (local int64 words): epoch, error code (slot + 1), error peer, error epoch, wait ns per slot
@@ -105,7 +116,8 @@ PULL_BT = 16  # tokens per pulled chunk (one claim and one ready flag each)
 ST_EPOCH, ST_ERR, ST_ERR_PEER, ST_ERR_EPOCH, ST_WAIT = 0, 1, 2, 3, 4
 STATE_WORDS = 8
 ALIGN = 256
-WHAT = {POSTED: "post its tokens", COMPUTED: "finish its experts", ROWS: "deliver its token rows to the expert GEMMs"}
+WHAT = {POSTED: "post its tokens", COMPUTED: "finish its experts",
+        INBOX: "post the token rows it received from other nodes", ROWS: "deliver its token rows to the expert GEMMs"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -219,9 +231,11 @@ def _copy_rows(src_ptr, dst_ptr, src_rows, dst_rows, need, width, begin, end, BL
 @triton.jit
 def _ep_gather_kernel(
     ntab_ptr, idtab_ptr, xtab_ptr, xstab_ptr, all_ids_ptr, xl_ptr, xsl_ptr, emap_ptr, queue_ptr, state_ptr,
-    max_tokens, H, G, num_global, num_local,
+    words_ptr, inboxtab_ptr, inboxstab_ptr,
+    max_tokens, H, G, num_global, num_local, node_size, my_node,
     TOPK: tl.constexpr, K_PAD: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr,
-    COPY_ROWS: tl.constexpr, SCALES: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr,
+    COPY_ROWS: tl.constexpr, SCALES: tl.constexpr, BLOCK_G: tl.constexpr, ACROSS_NODES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Source ``s``'s ids into ``all_ids[s]`` (-1 past its token count) and, with ``COPY_ROWS``, a
     pull of each of its token rows that has a local expert, once, from its segment into
@@ -233,7 +247,11 @@ def _ep_gather_kernel(
     Grid ``(S, token blocks, column blocks)``: program ``(s, i, j)`` copies columns
     ``[j * BLOCK_H, (j + 1) * BLOCK_H)`` of its rows, so a row's remote reads are issued by
     ``H / BLOCK_H`` programs at once instead of one after another by a loop (at decode sizes the
-    loop's serial NVLink round trips were most of the kernel's time)."""
+    loop's serial NVLink round trips were most of the kernel's time).
+
+    ``ACROSS_NODES``: every source's count, bound and ids come from ``words`` (gathered over the
+    group, ``2 + max_tokens * TOPK`` words per source), and another node's source's rows from the
+    inbox of this node's rank of its local index (``_Layout``), where the exchange put them."""
     grid_dependency(PDL)
     s = tl.program_id(0)
     hb = tl.program_id(2)
@@ -241,7 +259,12 @@ def _ep_gather_kernel(
         if (s == 0) & (tl.program_id(1) == 0):
             tl.store(queue_ptr, 0)
     offs_t = tl.program_id(1) * BT + tl.arange(0, BT)
-    n_ptr = tl.load(ntab_ptr + s).to(tl.pointer_type(tl.int32))
+    if ACROSS_NODES:
+        n_ptr = words_ptr + s * (2 + max_tokens * TOPK)
+        src_ids = n_ptr + 2
+    else:
+        n_ptr = tl.load(ntab_ptr + s).to(tl.pointer_type(tl.int32))
+        src_ids = tl.load(idtab_ptr + s).to(tl.pointer_type(tl.int32))
     n_s = tl.minimum(tl.maximum(tl.load(n_ptr), 0), max_tokens)
     if (tl.program_id(1) == 0) & (hb == 0):
         # Every rank lays the call's rows out by the same bound (``max_tokens`` here); a source that
@@ -255,7 +278,6 @@ def _ep_gather_kernel(
     k_ok = offs_k < TOPK
     t_in = offs_t < max_tokens
     t_ok = offs_t < n_s
-    src_ids = tl.load(idtab_ptr + s).to(tl.pointer_type(tl.int32))
     ids = tl.load(src_ids + offs_t[:, None].to(tl.int64) * TOPK + offs_k[None, :],
                   mask=t_ok[:, None] & k_ok[None, :], other=-1)
     dst_rows = (s * max_tokens + offs_t).to(tl.int64)
@@ -263,12 +285,25 @@ def _ep_gather_kernel(
         tl.store(all_ids_ptr + dst_rows[:, None] * TOPK + offs_k[None, :], ids, mask=t_in[:, None] & k_ok[None, :])
     if COPY_ROWS:
         need = _rows_needed(ids, t_ok, emap_ptr, num_global, num_local)
-        src_x = tl.load(xtab_ptr + s).to(tl.pointer_type(xl_ptr.dtype.element_ty))
+        if ACROSS_NODES:
+            node = s // node_size
+            here = node == my_node
+            forwarder = my_node * node_size + s % node_size
+            slot = (node - (node > my_node).to(tl.int32)).to(tl.int64) * max_tokens  # first inbox row
+            x_bytes: tl.constexpr = xl_ptr.dtype.element_ty.primitive_bitwidth // 8
+            src_x = tl.where(here, tl.load(xtab_ptr + s), tl.load(inboxtab_ptr + forwarder) + slot * H * x_bytes)
+            src_x = src_x.to(tl.pointer_type(xl_ptr.dtype.element_ty))
+        else:
+            src_x = tl.load(xtab_ptr + s).to(tl.pointer_type(xl_ptr.dtype.element_ty))
         h0 = hb * BLOCK_H
         _copy_rows(src_x, xl_ptr, offs_t, dst_rows, need, H, h0, tl.minimum(h0 + BLOCK_H, H), BLOCK_H)
         if SCALES:
             if hb == 0:
-                src_s = tl.load(xstab_ptr + s).to(tl.pointer_type(tl.float32))
+                if ACROSS_NODES:
+                    src_s = tl.where(here, tl.load(xstab_ptr + s), tl.load(inboxstab_ptr + forwarder) + slot * G * 4)
+                    src_s = src_s.to(tl.pointer_type(tl.float32))
+                else:
+                    src_s = tl.load(xstab_ptr + s).to(tl.pointer_type(tl.float32))
                 _copy_rows(src_s, xsl_ptr, offs_t, dst_rows, need, G, 0, G, BLOCK_G)
 
 
@@ -434,14 +469,23 @@ def _ep_fp8_gemm2_push_kernel(
 
 
 @triton.jit
+def _spread(flag, BLOCK: tl.constexpr):
+    """A scalar condition as a [BLOCK] mask (the interpreter rejects a scalar in a vector mask)."""
+    return (tl.zeros([BLOCK], dtype=tl.int32) + flag.to(tl.int32)) != 0
+
+
+@triton.jit
 def _ep_combine_kernel(
-    ytab_ptr, ret_ptr, out_ptr, ids_ptr, w_ptr, owner_ptr,
-    H, num_global, src_row0,
+    ytab_ptr, ret_ptr, out_ptr, ids_ptr, w_ptr, owner_ptr, res_ptr,
+    H, num_global, src_row0, node_size, my_node, rows_per_node,
     stride_it, stride_ik, stride_wt, stride_wk, stride_ot,
-    TOPK: tl.constexpr, PULL: tl.constexpr, BLOCK_H: tl.constexpr, RNE_FIX: tl.constexpr, PDL: tl.constexpr,
+    TOPK: tl.constexpr, PULL: tl.constexpr, ACROSS_NODES: tl.constexpr, BLOCK_H: tl.constexpr,
+    RNE_FIX: tl.constexpr, PDL: tl.constexpr,
 ):
     """``out[t] = sum_k w[t,k] * y[t,k]`` in fp32 in k order (``cuda.moe``'s arithmetic); ``y``
-    pulled from the owner's ``y`` row ``src_row0 + t*K + k`` or read from the local ``ret``."""
+    pulled from the owner's ``y`` row ``src_row0 + t*K + k`` or read from the local ``ret``.
+    ``ACROSS_NODES``: an owner on another node sent its node's results for this rank's tokens, in
+    ``res`` from row ``slot * rows_per_node`` (``_ep_collect_kernel``'s layout)."""
     grid_dependency(PDL)
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -451,17 +495,60 @@ def _ep_combine_kernel(
         gid = tl.load(ids_ptr + t * stride_it + k * stride_ik)
         ok = (gid >= 0) & (gid < num_global)
         w = tl.load(w_ptr + t * stride_wt + k * stride_wk).to(tl.float32)
-        y_ok = h_ok & ((tl.zeros([BLOCK_H], dtype=tl.int32) + ok.to(tl.int32)) != 0)
+        y_ok = h_ok & _spread(ok, BLOCK_H)
         row = (src_row0 + t * TOPK + k).to(tl.int64)
         if PULL:
             o = tl.load(owner_ptr + tl.where(ok, gid, 0).to(tl.int64))
             src = tl.load(ytab_ptr + o).to(tl.pointer_type(out_ptr.dtype.element_ty))
-            y = tl.load(src + row * H + offs, mask=y_ok, other=0.0)
+            if ACROSS_NODES:
+                node = o // node_size
+                here = node == my_node
+                far = node != my_node
+                slot = (node - (node > my_node).to(tl.int32)).to(tl.int64)
+                y_here = tl.load(src + row * H + offs, mask=y_ok & _spread(here, BLOCK_H), other=0.0)
+                far_row = slot * rows_per_node + t * TOPK + k
+                y_far = tl.load(res_ptr + far_row * H + offs, mask=y_ok & _spread(far, BLOCK_H), other=0.0)
+                y = tl.where(here, y_here, y_far)
+            else:
+                y = tl.load(src + row * H + offs, mask=y_ok, other=0.0)
         else:
             y = tl.load(ret_ptr + row * H + offs, mask=y_ok, other=0.0)
         prod = w * y.to(tl.float32)
         acc = acc + prod
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, cast(acc, out_ptr.dtype.element_ty, RNE_FIX), mask=h_ok)
+
+
+@triton.jit
+def _ep_collect_kernel(
+    ytab_ptr, all_ids_ptr, owner_ptr, res_ptr, max_tokens, H, num_global, node_size, my_node, local_index,
+    TOPK: tl.constexpr, REPLICATED: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
+):
+    """Across nodes, after this node's experts: for the rank of this local index on each other node
+    (``slot`` j, nodes in order without this one), the results this node computed for that rank's
+    tokens, ``res[(j * max_tokens + t) * K + k]``: row ``(s * max_tokens + t) * K + k`` of the owner's
+    ``y`` (``s``: that rank's source index), zero where another node computed it. Every (token, k)
+    result travels, not a per-node sum (kernels/DESIGN.md, across nodes). Program (j * max_tokens + t,
+    column block)."""
+    grid_dependency(PDL)
+    row = tl.program_id(0)
+    slot = row // max_tokens
+    t = row % max_tokens
+    node = slot + (slot >= my_node).to(tl.int32)
+    if REPLICATED:
+        s = 0
+    else:
+        s = node * node_size + local_index
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs < H
+    for k in tl.static_range(TOPK):
+        src_row = ((s * max_tokens + t) * TOPK + k).to(tl.int64)
+        gid = tl.load(all_ids_ptr + src_row)
+        ok = (gid >= 0) & (gid < num_global)
+        o = tl.load(owner_ptr + tl.where(ok, gid, 0).to(tl.int64))
+        here = ok & (o // node_size == my_node)
+        src = tl.load(ytab_ptr + o).to(tl.pointer_type(res_ptr.dtype.element_ty))
+        y = tl.load(src + src_row * H + offs, mask=h_ok & _spread(here, BLOCK_H), other=0.0)
+        tl.store(res_ptr + (row.to(tl.int64) * TOPK + k) * H + offs, y, mask=h_ok)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -487,18 +574,42 @@ def _up(n: int) -> int:
 
 
 class _Layout:
-    """Byte offsets of the regions of one segment (identical on every rank). ``fp8``: ``x`` holds
-    e4m3 rows (1 byte per element) and ``xs`` their fp32 scales, one per 128 columns."""
+    """Byte offsets of the regions of one segment (identical on every rank). ``peers``: the ranks
+    that map each other's segments (a node). ``fp8``: ``x`` holds e4m3 rows (1 byte per element)
+    and ``xs`` their fp32 scales, one per 128 columns. The ids follow the two count words, so
+    ``n``, bound and ids are one run of words (what the exchange across nodes gathers). With
+    ``nodes`` > 1 and tokens per rank, the inbox: the rows of the other nodes' ranks of this local
+    index, ``max_tokens`` per node in node order (a call's bound ``T`` packs them by ``T``)."""
 
-    def __init__(self, world, sources, max_tokens, hidden, top_k, elem, fp8=False):
+    def __init__(self, peers, sources, max_tokens, hidden, top_k, elem, fp8=False, nodes=1):
+        x_row = hidden * (1 if fp8 else elem)
+        s_row = triton.cdiv(hidden, GROUP) * 4 if fp8 else 0
+        inbox_rows = (nodes - 1) * max_tokens if sources > 1 else 0
         self.flags = 0
-        self.n = _up(NUM_SLOTS * world * 4)
-        self.ids = self.n + ALIGN
-        self.x = self.ids + _up(max_tokens * top_k * 4)
-        self.xs = self.x + _up(max_tokens * hidden * (1 if fp8 else elem))
-        self.y = self.xs + (_up(max_tokens * triton.cdiv(hidden, GROUP) * 4) if fp8 else 0)
+        self.n = _up(NUM_SLOTS * peers * 4)
+        self.ids = self.n + 8
+        self.x = _up(self.ids + max_tokens * top_k * 4)
+        self.xs = self.x + _up(max_tokens * x_row)
+        self.y = self.xs + _up(max_tokens * s_row)
         self.ret = self.y + _up(sources * max_tokens * top_k * hidden * elem)
-        self.total = self.ret + _up(max_tokens * top_k * hidden * elem)
+        self.inbox = self.ret + _up(max_tokens * top_k * hidden * elem)
+        self.inbox_s = self.inbox + _up(inbox_rows * x_row)
+        self.total = self.inbox_s + _up(inbox_rows * s_row)
+
+
+class _Collectives:
+    """The exchange between nodes: torch.distributed collectives over the EP group (NCCL on GPUs),
+    ordered on the current stream like the kernels, no host synchronisation. A peer that never
+    joins is bounded by the group's own timeout (its watchdog), not by ``timeout_s``."""
+
+    def __init__(self, group: dist.ProcessGroup | None):
+        self.group = group
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        dist.all_gather_into_tensor(out, inp, group=self.group)
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> None:
+        dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)
 
 
 class SymmetricMemoryEPWorkspace:
@@ -521,6 +632,10 @@ class SymmetricMemoryEPWorkspace:
     ``quant="fp8"``: a workspace for block-scaled FP8 experts, called through ``fused_moe_fp8``
     (``fused_moe`` is for ``quant=None``). Token rows are posted and pulled as e4m3 with their
     1 x 128 group scales (half the bytes of bf16); results return and combine in ``dtype``.
+
+    ``node_size``: ranks per node (consecutive ranks; default the whole group), the ranks that map
+    each other's memory; ``node_group`` is their process group (symmetric memory is made over it),
+    and ``group`` carries the collectives between nodes.
     """
 
     def __init__(
@@ -538,7 +653,10 @@ class SymmetricMemoryEPWorkspace:
         pull_in_gemm1: bool | None = None,
         sync_check: bool | None = None,
         quant: str | None = None,
+        node_size: int | None = None,
+        node_group: dist.ProcessGroup | None = None,
         _simulated: tuple[int, list[torch.Tensor]] | None = None,
+        _exchange=None,
         _max_spins: int | None = None,
     ):
         # Knobs left at None are read from the environment now (env.py).
@@ -561,6 +679,16 @@ class SymmetricMemoryEPWorkspace:
         else:
             self.rank = dist.get_rank(group)
             self.world_size = dist.get_world_size(group)
+        self.node_size = node_size or self.world_size
+        if self.world_size % self.node_size:
+            raise ValueError(f"kittens EP: {self.world_size} ranks do not make whole nodes of {self.node_size}")
+        self.nodes = self.world_size // self.node_size
+        self.node, self.local_index = divmod(self.rank, self.node_size)
+        if self.nodes > 1 and (pull_in_gemm1 or (return_mode == "push" and not replicated_tokens)):
+            raise ValueError(
+                "kittens EP across nodes pulls the token rows before GEMM1 and returns results by pull "
+                f"(pull_in_gemm1={pull_in_gemm1}, return_mode={return_mode!r} run inside one node only)"
+            )
         self.max_tokens = max_tokens_per_rank
         self.hidden = hidden_size
         self.top_k = top_k
@@ -578,19 +706,22 @@ class SymmetricMemoryEPWorkspace:
         self.sources = 1 if replicated_tokens else self.world_size
         elem = torch.tensor([], dtype=dtype).element_size()
         self.layout = lay = _Layout(
-            self.world_size, self.sources, max_tokens_per_rank, hidden_size, top_k, elem, fp8=fp8
+            self.node_size, self.sources, max_tokens_per_rank, hidden_size, top_k, elem, fp8=fp8, nodes=self.nodes
         )
 
+        # ptrs: every rank's segment address, 0 for another node's (not mapped).
         if _simulated is not None:
             self.device = segments[self.rank].device
             self.buffer = segments[self.rank]
-            ptrs = [int(s.data_ptr()) for s in segments]
+            ptrs = [int(s.data_ptr()) if self._on_my_node(r) else 0 for r, s in enumerate(segments)]
             self._handle = None
         else:
             import torch.distributed._symmetric_memory as symm_mem
 
+            if self.nodes > 1 and node_group is None:
+                raise ValueError("kittens EP across nodes needs node_group: the process group of this node's ranks")
             self.device = torch.device("cuda", torch.cuda.current_device())
-            name = (group or dist.group.WORLD).group_name
+            name = (node_group if self.nodes > 1 else group or dist.group.WORLD).group_name
             if hasattr(symm_mem, "enable_symm_mem_for_group"):
                 import warnings
 
@@ -602,12 +733,13 @@ class SymmetricMemoryEPWorkspace:
                         pass
             self.buffer = symm_mem.empty(lay.total, dtype=torch.uint8, device=self.device)
             self._handle = symm_mem.rendezvous(self.buffer, name)
-            ptrs = [int(p) for p in self._handle.buffer_ptrs]
+            ptrs = [0] * self.world_size
+            ptrs[self.node * self.node_size : (self.node + 1) * self.node_size] = map(int, self._handle.buffer_ptrs)
         if len(self.buffer) < lay.total:
             raise ValueError(f"segment of {len(self.buffer)} bytes, need {lay.total}")
 
         def table(offset):
-            return torch.tensor([p + offset for p in ptrs], dtype=torch.int64, device=self.device)
+            return torch.tensor([p + offset if p else 0 for p in ptrs], dtype=torch.int64, device=self.device)
 
         def view(offset, count, vdtype):
             nbytes = count * torch.tensor([], dtype=vdtype).element_size()
@@ -616,14 +748,16 @@ class SymmetricMemoryEPWorkspace:
         S, T, K, H = self.sources, max_tokens_per_rank, top_k, hidden_size
         G = triton.cdiv(H, GROUP)
         x_dtype = FP8_DTYPE if fp8 else dtype
-        self.flags = view(lay.flags, NUM_SLOTS * self.world_size, torch.int32)
+        self.flags = view(lay.flags, NUM_SLOTS * self.node_size, torch.int32)
         self.seg_n = view(lay.n, 2, torch.int32)  # tokens posted, the call's bound (max_tokens_across_ranks)
         self.seg_ids = view(lay.ids, T * K, torch.int32)
+        self.seg_words = view(lay.n, 2 + T * K, torch.int32)  # both, as one run
         self.seg_x = view(lay.x, T * H, x_dtype)
         self.seg_xs = view(lay.xs, T * G, torch.float32) if fp8 else None
         self.seg_y = view(lay.y, S * T * K * H, dtype)
         self.seg_ret = view(lay.ret, T * K * H, dtype)
-        self.flag_tab = table(lay.flags)
+        first = self.node * self.node_size
+        self.flag_tab = table(lay.flags)[first : first + self.node_size]  # the node's ranks signal each other
         if replicated_tokens:
             me = ptrs[self.rank]
             self.n_tab = torch.tensor([me + lay.n], dtype=torch.int64, device=self.device)
@@ -634,6 +768,17 @@ class SymmetricMemoryEPWorkspace:
             self.n_tab, self.ids_tab, self.x_tab, self.xs_tab = table(lay.n), table(lay.ids), table(lay.x), table(lay.xs)
         self.y_tab = table(lay.y)
         self.ret_tab = table(lay.ret)
+        # Across nodes: the other nodes' rows (inbox), every rank's posted words, this node's results
+        # for the other nodes' ranks of this local index and theirs for this rank (``res_*``).
+        far = self.nodes - 1
+        self.inbox_tab, self.inbox_s_tab = table(lay.inbox), table(lay.inbox_s)
+        self.seg_inbox = view(lay.inbox, lay.inbox_s - lay.inbox, torch.uint8)
+        self.seg_inbox_s = view(lay.inbox_s, (lay.total - lay.inbox_s) // 4, torch.float32)
+        self.words = torch.empty(self.world_size * (2 + T * K) if far and not replicated_tokens else 1,
+                                 dtype=torch.int32, device=self.device)
+        self.res_send = torch.empty(far * T * K * H, dtype=dtype, device=self.device) if far else None
+        self.res_recv = torch.empty(far * T * K * H, dtype=dtype, device=self.device) if far else None
+        self.exchange = _exchange if _exchange is not None or not far else _Collectives(group)
 
         self.expert_map = placement.expert_map(self.rank).to(torch.int32).to(self.device)
         self.owner = placement.owner.to(torch.int32).to(self.device)
@@ -663,6 +808,8 @@ class SymmetricMemoryEPWorkspace:
         code = int(words[ST_ERR])
         if code:
             slot, peer, epoch = code - 1, int(words[ST_ERR_PEER]), int(words[ST_ERR_EPOCH])
+            if slot < NUM_SLOTS:  # a flag wait names the peer by its index in this node
+                peer += self.node * self.node_size
             layer = self._layers.get(epoch, "?")
             if slot == BOUND:
                 raise ValueError(
@@ -686,6 +833,15 @@ class SymmetricMemoryEPWorkspace:
         """Device time (ns) the last call spent in its POSTED and COMPUTED waits (synchronises)."""
         s = self.state.cpu()
         return int(s[ST_WAIT + POSTED]), int(s[ST_WAIT + COMPUTED])
+
+    def _on_my_node(self, rank: int) -> bool:
+        return rank // self.node_size == self.node
+
+    def _far_splits(self, size: int) -> list[int]:
+        """Split sizes of an exchange between this rank and its peers of the same local index on
+        the other nodes: ``size`` to and from each of them, nothing to the rest."""
+        return [size if r % self.node_size == self.local_index and not self._on_my_node(r) else 0
+                for r in range(self.world_size)]
 
     def close(self) -> None:
         self.buffer = self._handle = None
@@ -818,6 +974,8 @@ class SymmetricMemoryEPWorkspace:
         pdl = pdl_launch(out, pdl_on)
         push = self.return_mode == "push"
         gemm1_pulls = self.pull_in_gemm1 and not fp8
+        far = self.nodes - 1  # other nodes
+        rows_cross = far > 0 and not self.replicated  # token rows cross nodes (not with replicated tokens)
 
         def post():
             bt = 4
@@ -833,7 +991,7 @@ class SymmetricMemoryEPWorkspace:
         def sync(slot, signal=True, wait=True):
             def run():
                 _ep_sync_kernel[(1,)](
-                    self.flags, self.flag_tab, self.state, slot, self.rank, self.world_size,
+                    self.flags, self.flag_tab, self.state, slot, self.local_index, self.node_size,
                     timeout_ns, self.max_spins, BUMP_EPOCH=slot == POSTED and signal, USE_TIMER=use_timer,
                     SIGNAL=signal, WAIT=wait, num_warps=1, **pdl,
                 )
@@ -847,10 +1005,24 @@ class SymmetricMemoryEPWorkspace:
             _ep_gather_kernel[(S, triton.cdiv(T, bt), 1 if gemm1_pulls else triton.cdiv(H, copy_block_h))](
                 self.n_tab, self.ids_tab, self.x_tab, self.xs_tab if fp8 else self.x_tab, self.all_ids,
                 self.xl.view(torch.uint8) if fp8 else self.xl, self.xsl if fp8 else self.xl, expert_map, self.queue,
-                self.state, T, H, G, self.num_global, num_local,
+                self.state, self.words, self.inbox_tab, self.inbox_s_tab,
+                T, H, G, self.num_global, num_local, self.node_size, self.node,
                 TOPK=K, K_PAD=k_pad, BT=bt, BLOCK_H=copy_block_h, COPY_ROWS=not gemm1_pulls,
-                SCALES=fp8, BLOCK_G=max(16, triton.next_power_of_2(G)) if fp8 else 16, num_warps=4, **pdl,
+                SCALES=fp8, BLOCK_G=max(16, triton.next_power_of_2(G)) if fp8 else 16, ACROSS_NODES=rows_cross,
+                num_warps=4, **pdl,
             )
+
+        def exchange_ids():  # every rank's count, bound and ids, to every rank
+            self.exchange.all_gather(self.words[: self.world_size * (2 + T * K)], self.seg_words[: 2 + T * K])
+
+        def exchange_rows():  # this rank's T rows (and FP8 scales) to each other node's rank of its index
+            parts = [(self.seg_x.view(torch.uint8), self.seg_inbox, H * self.seg_x.element_size())]
+            if fp8:
+                parts.append((self.seg_xs, self.seg_inbox_s, triton.cdiv(H, GROUP)))
+            for seg, inbox, row in parts:
+                send = seg[: T * row]
+                self.exchange.all_to_all(inbox[: far * T * row], send.repeat(far) if far > 1 else send,
+                                         self._far_splits(T * row), self._far_splits(T * row))
 
         picker = pick_configs_fp8 if fp8 else pick_configs
         g1, g2 = picker(T, K, max(num_local, 1), H, inter)  # by T, the bound rows are laid out for
@@ -892,16 +1064,29 @@ class SymmetricMemoryEPWorkspace:
                              pdl=pdl_on, **pull)
                 launch_gemm2(self.act, w2, y, self.sorted_rows, self.counts, rows, g2, interpret=interpret, pdl=pdl_on, **push_args)
 
+        def collect():  # this node's results for each other node's rank of this local index
+            block_h = combine_block(H)
+            _ep_collect_kernel[(far * T, triton.cdiv(H, block_h))](
+                self.y_tab, self.all_ids, self.owner, self.res_send, T, H, self.num_global, self.node_size,
+                self.node, self.local_index, TOPK=K, REPLICATED=self.replicated, BLOCK_H=block_h, num_warps=4, **pdl,
+            )
+
+        def exchange_results():
+            n = far * T * K * H
+            self.exchange.all_to_all(self.res_recv[:n], self.res_send[:n], self._far_splits(T * K * H),
+                                     self._far_splits(T * K * H))
+
         def combine():
             if tokens:
                 block_h = combine_block(H)
                 src_row0 = 0 if (self.replicated or push) else self.rank * T * K
                 _ep_combine_kernel[(tokens, triton.cdiv(H, block_h))](
                     self.y_tab, self.seg_ret, out, topk_ids, topk_weights, self.owner,
-                    H, self.num_global, src_row0,
-                    topk_ids.stride(0), topk_ids.stride(1), topk_weights.stride(0), topk_weights.stride(1),
+                    self.res_recv if far else self.seg_ret, H, self.num_global, src_row0, self.node_size, self.node,
+                    T * K, topk_ids.stride(0), topk_ids.stride(1), topk_weights.stride(0), topk_weights.stride(1),
                     out.stride(0),
-                    TOPK=K, PULL=not push, BLOCK_H=block_h, RNE_FIX=interpret, num_warps=4, **pdl,
+                    TOPK=K, PULL=not push, ACROSS_NODES=far > 0, BLOCK_H=block_h, RNE_FIX=interpret, num_warps=4,
+                    **pdl,
                 )
             if not capturing and dev.type == "cuda":
                 self._err_host.copy_(self.state, non_blocking=True)
@@ -911,7 +1096,12 @@ class SymmetricMemoryEPWorkspace:
                 self._err_host.copy_(self.state)
             return out
 
-        if self.simulated:  # signal and wait as separate steps, so simulated ranks can interleave
-            return [post, sync(POSTED, wait=False), sync(POSTED, signal=False), gather, schedule, gemms,
-                    sync(COMPUTED, wait=False), sync(COMPUTED, signal=False), combine]
-        return [post, sync(POSTED), gather, schedule, gemms, sync(COMPUTED), combine]
+        def flag(slot):  # simulated ranks: signal and wait as separate steps, so the ranks can interleave
+            return [sync(slot, wait=False), sync(slot, signal=False)] if self.simulated else [sync(slot)]
+
+        if not far:
+            return [post, *flag(POSTED), gather, schedule, gemms, *flag(COMPUTED), combine]
+        dispatch = [] if self.replicated else [exchange_ids]
+        posted = [] if self.replicated else [exchange_rows, *flag(INBOX)]
+        return [post, *dispatch, *flag(POSTED), *posted, gather, schedule, gemms, *flag(COMPUTED), collect,
+                exchange_results, combine]

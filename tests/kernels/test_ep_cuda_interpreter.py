@@ -46,10 +46,11 @@ def global_inputs(seed, counts, num_experts, routing="uniform"):
 
 
 def make_ranks(world, num_experts, replicated=False, return_mode="pull", max_spins=None, quant=None, hidden=HIDDEN,
-               pull_in_gemm1=False):
+               pull_in_gemm1=False, node_size=None):
     return simulated_ranks(
         world, num_experts, max_tokens=MAX_T, hidden=hidden, top_k=TOP_K, replicated=replicated, timeout_s=1.0,
-        return_mode=return_mode, quant=quant, pull_in_gemm1=pull_in_gemm1, _max_spins=max_spins,
+        return_mode=return_mode, quant=quant, pull_in_gemm1=pull_in_gemm1, node_size=node_size,
+        _max_spins=max_spins,
     )
 
 
@@ -88,6 +89,65 @@ def test_ep_equals_one_gpu_kernel_bitwise(world, return_mode, pull_in_gemm1, cas
     for ws in ranks:
         ws.check_errors()
         assert int(ws.state[ep_cuda.ST_EPOCH]) == len(cases) + 1
+
+
+# Across nodes (issue 39): each rank maps only its node's segments; token rows and results cross nodes
+# through the collectives (SimulatedCollectives here, NCCL on GPUs). 2 nodes of 2, 3 nodes of 2 (a rank
+# exchanges with two nodes, on both sides of its own), 2 nodes of 1 (everything through the collectives).
+CASES_6 = [((3, 0, 8, 1, 5, 2), "uniform"), ((2, 6, 0, 4, 1, 3), "hot")]
+
+
+@pytest.mark.parametrize(
+    "world,node_size,quant,cases",
+    [(4, 2, None, CASES_4), (6, 2, None, CASES_6), (2, 1, None, CASES[:3]), (4, 2, "fp8", CASES_4[:1]),
+     (6, 2, "fp8", CASES_6[1:])],
+)
+def test_ep_across_simulated_nodes_equals_one_gpu_kernel_bitwise(world, node_size, quant, cases):
+    num_experts = 4 * world
+    fp8 = quant == "fp8"
+    ranks, placement, _ = make_ranks(world, num_experts, node_size=node_size, quant=quant,
+                                     hidden=HIDDEN_F8 if fp8 else HIDDEN)
+    for ws in ranks:  # another node's memory is not mapped: no address of it anywhere
+        far = [r for r in range(world) if r // node_size != ws.rank // node_size]
+        for tab in (ws.n_tab, ws.ids_tab, ws.x_tab, ws.y_tab, ws.ret_tab, ws.inbox_tab):
+            assert (tab[far] == 0).all()
+        assert ws.flag_tab.numel() == node_size
+    for call, (counts, routing) in enumerate(cases):
+        counts = counts[:world]
+        if fp8:
+            x, experts, weights, ids = global_inputs_fp8(40 + call, counts, num_experts, routing)
+            expected = tf.fused_moe_fp8_triton(x, *experts, weights, ids)
+        else:
+            x, w13, w2, weights, ids = global_inputs(40 + call, counts, num_experts, routing)
+            experts = (w13, w2)
+            expected = tm.fused_moe_triton(x, w13, w2, weights, ids)
+        # back-to-back calls on the same segments, the second sized by the call's largest count
+        for bound in (None, max(counts)) if call == 0 else (None,):
+            got = run_split(ranks, placement, x, experts, weights, ids, counts, layer=f"case{call}",
+                            max_tokens_across_ranks=bound)
+            assert torch.equal(got, expected), f"case {call}: {world} ranks in nodes of {node_size} differ"
+    for ws in ranks:
+        ws.check_errors()
+
+
+def test_replicated_tokens_across_simulated_nodes():
+    world, num_experts = 4, 16
+    ranks, placement, _ = make_ranks(world, num_experts, replicated=True, node_size=2)
+    for call, tokens in enumerate([5, 0, MAX_T]):
+        x, w13, w2, weights, ids = global_inputs(55 + call, [tokens], num_experts)
+        outs = run_call(ranks, [(x, *local_experts((w13, w2), placement, r), weights, ids) for r in range(world)])
+        expected = tm.fused_moe_triton(x, w13, w2, weights, ids)
+        for out in outs:
+            assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("option", [dict(pull_in_gemm1=True), dict(return_mode="push")])
+def test_options_inside_one_node_only(option):
+    with pytest.raises(ValueError, match="kittens EP across nodes pulls the token rows before GEMM1 and returns "
+                                         "results by pull"):
+        make_ranks(4, 16, node_size=2, **option)
+    with pytest.raises(ValueError, match="4 ranks do not make whole nodes of 3"):
+        make_ranks(4, 16, node_size=3)
 
 
 @pytest.mark.parametrize("pull_in_gemm1", [False, True])
