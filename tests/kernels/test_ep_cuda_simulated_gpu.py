@@ -122,3 +122,35 @@ def test_simulated_ep_drops_unrouted_slots_without_a_host_sync(quant):
     assert torch.equal(got[3], torch.zeros_like(got[3]))
     for ws in ranks:
         ws.check_errors()
+
+
+@pytest.mark.parametrize("quant", [None, "fp8"])
+@pytest.mark.parametrize("world,node_size", [(4, 2), (8, 4), (8, 2)])
+def test_simulated_ep_across_nodes_equals_one_gpu_bitwise(world, node_size, quant):
+    """Simulated nodes (issue 39): each rank maps only its node's segments, rows and results cross
+    nodes through the collectives (``SimulatedCollectives``: device copies in launch order): bitwise
+    the one-GPU kernel, and no launch step or exchange of the call synchronises with the host."""
+    one_gpu, reference, tol = one_gpu_ops(quant)
+    H, I, K = SHAPES[1]
+    E = K * world
+    ranks, placement, _ = simulated_ranks(world, E, max_tokens=MAX_T, hidden=H, top_k=K, device="cuda", quant=quant,
+                                          timeout_s=30.0, node_size=node_size)
+    for ci, (counts, routing) in enumerate(CASES[world]):
+        x, experts, weights, ids = global_inputs(300 + ci, counts, E, world=world, hidden=H, inter=I, top_k=K,
+                                                routing=routing, quant=quant)
+        expected = one_gpu(x, *experts, weights, ids)
+        ref = reference(x, *experts, weights, ids)
+        args, kwargs = split_args(placement, x, experts, weights, ids, counts)
+        for call in range(2):  # back-to-back calls; the second under torch's sync debug mode
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error" if call else "default")
+            try:
+                got = torch.cat(run_call(ranks, args, layer=f"c{ci}", per_rank_kwargs=kwargs))
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize()
+            assert not got.isnan().any(), f"case {ci}: NaN (unwritten rows?)"
+            assert rel_err(got, ref) < tol, f"case {ci}: rel err {rel_err(got, ref)}"
+            assert torch.equal(got, expected), f"case {ci} call {call}: {world} ranks in nodes of {node_size} differ"
+    for ws in ranks:
+        ws.check_errors()
