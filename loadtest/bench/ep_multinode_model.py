@@ -15,7 +15,10 @@ Per (token, destination) the dispatch moves an FP8 row with its scales (7168 + 5
 per destination node over RDMA and once per destination GPU over NVLink; the combine returns a bf16
 row (14336 bytes) per (token, k) whose expert is remote (what a home rank needs to sum the top-k in
 k order, bit for bit the one-GPU sum), or, as DeepEP's normal kernels do, one per (token, remote
-node) holding that node's partial sum (fewer bytes, a different sum order per EP layout).
+node) holding that node's partial sum (fewer bytes, a different sum order per EP layout). "As
+built" is what kittens' CUDA workspace moves between nodes (kernels/cuda/ep.py): split sizes known on
+the host, so fixed per call: every rank's ids (``2 + T * 8`` int32), a rank's ``T`` rows to every
+other node and ``T * 8`` result rows back from every other node.
 
     python -m mok_serve.loadtest.bench.ep_multinode_model            # the table in Markdown
 """
@@ -71,6 +74,8 @@ def layer(nodes: int, tokens_per_rank: int) -> dict:
     rdma_combine_k = T * t["remote_k"] * BF16_ROW
     rdma_combine_node = T * t["remote_nodes"] * BF16_ROW
     nvl_combine = T * TOP_K * BF16_ROW
+    far = nodes - 1
+    built_rdma = T * far * FP8_ROW + T * far * TOP_K * BF16_ROW + far * GPUS_PER_NODE * (2 + T * TOP_K) * 4
     rows = T * TOP_K  # (token, k) rows each rank computes, routing balanced
     local_experts = EXPERTS // t["ranks"]
     weight_bytes = local_experts * 3 * HIDDEN * INTER  # FP8 weights read once per layer
@@ -82,23 +87,25 @@ def layer(nodes: int, tokens_per_rank: int) -> dict:
         rdma_combine_node_mb=rdma_combine_node / 1e6, nvl_mb=(nvl_dispatch + nvl_combine) / 1e6,
         experts_ms=experts_ms,
         rdma_ms_k=ms(rdma_dispatch + rdma_combine_k, RDMA), rdma_ms_node=ms(rdma_dispatch + rdma_combine_node, RDMA),
-        nvl_ms=ms(nvl_dispatch + nvl_combine, NVLINK),
+        nvl_ms=ms(nvl_dispatch + nvl_combine, NVLINK), built_rdma_mb=built_rdma / 1e6, built_rdma_ms=ms(built_rdma, RDMA),
     )
 
 
 def markdown(rows: list[dict]) -> str:
     head = ("| EP | tokens / rank | remote nodes / token | remote (token, k) / token | RDMA dispatch MB | "
             "RDMA combine MB, per (token, k) | per node | NVLink MB | experts ms | layer ms, per (token, k) | "
-            "per-node sums |")
+            "per-node sums | as built: RDMA MB | layer ms |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         # Dispatch, experts and combine back to back (overlap would hide the smaller parts).
         serial_k = r["experts_ms"] + r["rdma_ms_k"] + r["nvl_ms"]
         serial_node = r["experts_ms"] + r["rdma_ms_node"] + r["nvl_ms"]
+        serial_built = r["experts_ms"] + r["built_rdma_ms"] + r["nvl_ms"]
         lines.append(
             f"| {r['ranks']} ({r['nodes']} x 8) | {r['tokens']} | {r['remote_nodes']:.2f} | {r['remote_k']:.2f} | "
             f"{r['rdma_dispatch_mb']:.2f} | {r['rdma_combine_k_mb']:.2f} | {r['rdma_combine_node_mb']:.2f} | "
-            f"{r['nvl_mb']:.1f} | {r['experts_ms']:.3f} | {serial_k:.3f} | {serial_node:.3f} |")
+            f"{r['nvl_mb']:.1f} | {r['experts_ms']:.3f} | {serial_k:.3f} | {serial_node:.3f} | "
+            f"{r['built_rdma_mb']:.2f} | {serial_built:.3f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -74,6 +74,7 @@ def test_linear_sweep_points_and_table():
 
 def test_multinode_ep_model_counts_are_consistent():
     import numpy as np
+    import pytest
 
     from mok_serve.loadtest.bench import ep_multinode_model as m
 
@@ -86,6 +87,10 @@ def test_multinode_ep_model_counts_are_consistent():
     assert two["remote_k"] < four["remote_k"] and four["remote_nodes"] <= 3
     row = m.layer(2, 128)
     assert row["rdma_combine_k_mb"] > row["rdma_combine_node_mb"]  # per-(token, k) returns cost more bytes
+    # As built, fixed-size exchanges: every token to the other node, all 8 results back, every rank's ids.
+    built = 128 * (m.FP8_ROW + 8 * m.BF16_ROW) + 8 * (2 + 128 * 8) * 4
+    assert row["built_rdma_mb"] == pytest.approx(built / 1e6)
+    assert row["built_rdma_mb"] > row["rdma_dispatch_mb"] + row["rdma_combine_k_mb"]
     assert "| 16 (2 x 8) | 128 |" in m.markdown([row])
 
 
