@@ -320,9 +320,9 @@ def interpreted_cuda_modules():
     current functions of the tile modules it imports."""
     import importlib
 
-    from mok_serve.kernels.cuda import configs, ep, fp8_tiles, launch, moe, moe_fp8, tiles
+    from mok_serve.kernels.cuda import configs, ep, ep_kernels, fp8_tiles, launch, moe, moe_fp8, tiles
 
-    mods = [tiles, fp8_tiles, launch, configs, moe, moe_fp8, ep]
+    mods = [tiles, fp8_tiles, launch, configs, moe, moe_fp8, ep_kernels, ep]
     stale = False
     for m in mods:
         for name, obj in vars(m).items():
