@@ -39,7 +39,7 @@ case $what in
   tests)
     step "gpu_tests_$commit.log" 400 python3 -m pytest -m gpu -q tests/kernels/test_triton_moe_gpu.py \
       tests/kernels/test_triton_moe_fp8_gpu.py tests/server/test_server_timing_gpu.py
-    step "gpu_tests_$commit.log" 150 python3 -m pytest -m gpu -q tests/kernels/test_ep_cuda_simulated_gpu.py \
+    step "gpu_tests_$commit.log" 250 python3 -m pytest -m gpu -q tests/kernels/test_ep_cuda_simulated_gpu.py \
       tests/kernels/test_ep_cuda_gpu.py ;;
   layer)
     step "h200_check_layer_$commit.log" 570 mok-loadtest layer --out "$out" --name "layer_bench_$commit" --no-history "$@" ;;
