@@ -14,6 +14,8 @@ its norms with the residual add (``norm.py``; ``cuda/norm.py``), ``invariant_att
 plain function).
 """
 
+import time
+
 import torch
 
 from .attention import attention_reference
@@ -166,7 +168,8 @@ def _invariant_linear_impl(x, weight, bias):
 
         if _invariant_warm_up_rows and _first_call(("linear", x.device, x.dtype, weight.dtype, tuple(weight.shape),
                                                      weight.stride(), bias is None)):
-            warm_up_linear(x, weight, bias, _invariant_warm_up_rows)
+            _reported_warm_up(f"invariant_linear {list(weight.shape)} {x.dtype}",
+                              lambda: warm_up_linear(x, weight, bias, _invariant_warm_up_rows))
         return invariant_linear_triton(x, weight, bias)
     return invariant_linear_reference(x, weight, bias)
 
@@ -193,7 +196,8 @@ def _invariant_linear_fp8_impl(x, weight, weight_scale, bias):
 
         if _invariant_warm_up_rows and _first_call(("linear_fp8", x.device, x.dtype, tuple(weight.shape),
                                                      weight.stride(), bias is None)):
-            warm_up_linear(x, weight, bias, _invariant_warm_up_rows, weight_scale=weight_scale)
+            _reported_warm_up(f"invariant_linear_fp8 {list(weight.shape)} {x.dtype}", lambda: warm_up_linear(
+                x, weight, bias, _invariant_warm_up_rows, weight_scale=weight_scale))
         return invariant_linear_fp8_triton(x, weight, weight_scale, bias)
     return invariant_linear_fp8_reference(x, weight, weight_scale, bias)
 
@@ -256,7 +260,8 @@ def invariant_attention(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_
         if _invariant_warm_up_rows and q.shape[0] and seq_lens.shape[0] and _first_call(("attention", q.device, q.dtype, k_cache.dtype, q.shape[1:],
                                                      q.stride(), out.stride(), k_cache.shape[1:], k_cache.stride(),
                                                      v_cache.stride(), window is None)):
-            warm_up_attention(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, max_seq_len, scale, window)
+            _reported_warm_up(f"invariant_attention {list(q.shape[1:])} {q.dtype}", lambda: warm_up_attention(
+                q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, max_seq_len, scale, window))
         return invariant_attention_triton(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, max_seq_len,
                                           scale, window)
     return out.copy_(attention_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, window))
@@ -316,23 +321,36 @@ def warm_up_token_counts(num_local: int, hidden: int, inter: int, top_k: int, ma
     return list(first.values())
 
 
-# Rows bound of the invariant kernels' first-call warm-up (0: off); see warm_up_invariant_kernels.
+# Rows bound of the invariant kernels' first-call warm-up (0: off) and who hears of each one; see
+# warm_up_invariant_kernels.
 _invariant_warm_up_rows = 0
+_invariant_warm_up_report = None
 _warmed_up_calls: set[tuple] = set()
 
 
-def warm_up_invariant_kernels(max_rows: int) -> None:
+def warm_up_invariant_kernels(max_rows: int, report=None) -> None:
     """From now on, the first CUDA call of ``invariant_linear`` with each weight layout, and of
     ``invariant_attention`` with each query and cache layout, first compiles every Triton variant
     that calls of 1 to ``max_rows`` rows (tokens) can run (``warm_up_linear``, ``warm_up_attention``),
     as ``warm_up`` does for the experts. A deterministic vLLM server turns it on at start-up: vLLM's
     own warm-up runs the largest batch and the captured sizes only, so a small prefill met first
     while serving stalled the server for a compile. A first call during CUDA-graph capture waits for
-    the next call (vLLM runs each captured size once eagerly first). ``max_rows`` 0 turns it off."""
-    global _invariant_warm_up_rows
+    the next call (vLLM runs each captured size once eagerly first). ``max_rows`` 0 turns it off.
+    ``report(what, variants, seconds)``, when given, hears of each warm-up as it ends (``what`` names
+    the op and layout, ``variants`` what the warm-up returned), so a server can log when it ran."""
+    global _invariant_warm_up_rows, _invariant_warm_up_report
     if max_rows < 0:
         raise ValueError(f"max_rows must be >= 0, got {max_rows}")
     _invariant_warm_up_rows = max_rows
+    _invariant_warm_up_report = report
+
+
+def _reported_warm_up(what: str, warm_up_call) -> None:
+    """Run ``warm_up_call`` and tell ``_invariant_warm_up_report`` what it compiled, in how long."""
+    start = time.perf_counter()
+    variants = warm_up_call()
+    if _invariant_warm_up_report is not None:
+        _invariant_warm_up_report(what, variants, time.perf_counter() - start)
 
 
 def _first_call(key: tuple) -> bool:

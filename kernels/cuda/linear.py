@@ -32,16 +32,17 @@ _QUANTIZE_ROWS = 16  # token rows per activation-quantization program (one 128-c
 
 @triton.jit
 def _chunk_sum(
-    x_ptr, w_ptr, w_desc, xs_ptr, ws_ptr, offs_m, row_ok, offs_n, n_ok, pid_n, k_lo, k_hi, K,
+    x_ptr, x_desc, w_ptr, w_desc, xs_ptr, ws_ptr, offs_m, row_ok, offs_n, n_ok, pid_m, pid_n, k_lo, k_hi, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_xs, stride_ws,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, SWAP_AB: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, TMA_A: tl.constexpr, SWAP_AB: tl.constexpr,
     DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr,
 ):
     """fp32 ``[BLOCK_M, BLOCK_N]`` sum of ``x[offs_m, k] * w[offs_n, k]`` over ``k_lo <= k < k_hi``
     in K order (``k_lo`` a multiple of BLOCK_K; only the tensor's end, ``K``, can be ragged). ``FP8``:
     e4m3 operands, 128-column K blocks, each block's products scaled by the activation row's scale
-    ``xs[m, b]`` and the weight block's ``ws[n // 128, b]`` (``scaled_block_dot``)."""
+    ``xs[m, b]`` and the weight block's ``ws[n // 128, b]`` (``scaled_block_dot``). ``TMA_A``: the
+    activation tiles through ``x_desc`` (zero past the rows and K, as the masked loads)."""
     offs_k = tl.arange(0, BLOCK_K)
     if FP8:
         xs_ptrs = xs_ptr + offs_m.to(tl.int64) * stride_xs
@@ -52,7 +53,10 @@ def _chunk_sum(
     acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         k_ok = offs_k < K - k0
-        a = load_rows(a_ptrs, row_ok, k_ok, EVEN_K)
+        if TMA_A:
+            a = x_desc.load([pid_m * BLOCK_M, k0])
+        else:
+            a = load_rows(a_ptrs, row_ok, k_ok, EVEN_K)
         if USE_TMA:
             b = w_desc.load([pid_n * BLOCK_N, k0]).T
         else:
@@ -82,11 +86,11 @@ def _store_rows(total, bias_ptr, y_ptr, offs_m, row_ok, offs_n, n_ok, stride_ym,
 
 @triton.jit(do_not_specialize=["M", "stride_part"])  # per-call row counts: one compile for every count
 def _linear_kernel(
-    x_ptr, w_ptr, w_desc, xs_ptr, ws_ptr, bias_ptr, y_ptr, part_ptr, M, N, K, K_CHUNK,
+    x_ptr, x_desc, w_ptr, w_desc, xs_ptr, ws_ptr, bias_ptr, y_ptr, part_ptr, M, N, K, K_CHUNK,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_xs, stride_ws, stride_ym, stride_part,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     STAGES: tl.constexpr, SPLIT: tl.constexpr, MULTI_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, SWAP_AB: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, TMA_A: tl.constexpr, SWAP_AB: tl.constexpr,
     DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (tile[, chunk]): with ``SPLIT`` the fp32 sum of chunk ``program_id(1)`` into
@@ -103,21 +107,21 @@ def _linear_kernel(
     n_ok = offs_n < N
     if SPLIT:
         k_lo = tl.program_id(1) * K_CHUNK
-        acc = _chunk_sum(x_ptr, w_ptr, w_desc, xs_ptr, ws_ptr, offs_m, row_ok, offs_n, n_ok, pid_n, k_lo, tl.minimum(k_lo + K_CHUNK, K), K,
+        acc = _chunk_sum(x_ptr, x_desc, w_ptr, w_desc, xs_ptr, ws_ptr, offs_m, row_ok, offs_n, n_ok, pid_m, pid_n, k_lo, tl.minimum(k_lo + K_CHUNK, K), K,
                          stride_xm, stride_xk, stride_wn, stride_wk, stride_xs, stride_ws,
-                         BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K, EVEN_N, USE_TMA, SWAP_AB, DOT_IEEE, DOT_F32, FP8)
+                         BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K, EVEN_N, USE_TMA, TMA_A, SWAP_AB, DOT_IEEE, DOT_F32, FP8)
         p_ptrs = part_ptr + tl.program_id(1).to(tl.int64) * stride_part + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
         tl.store(p_ptrs, acc, mask=row_ok[:, None] & n_ok[None, :])
     else:
-        total = _chunk_sum(x_ptr, w_ptr, w_desc, xs_ptr, ws_ptr, offs_m, row_ok, offs_n, n_ok, pid_n, 0, tl.minimum(K_CHUNK, K), K,
+        total = _chunk_sum(x_ptr, x_desc, w_ptr, w_desc, xs_ptr, ws_ptr, offs_m, row_ok, offs_n, n_ok, pid_m, pid_n, 0, tl.minimum(K_CHUNK, K), K,
                            stride_xm, stride_xk, stride_wn, stride_wk, stride_xs, stride_ws,
-                           BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K, EVEN_N, USE_TMA, SWAP_AB, DOT_IEEE, DOT_F32, FP8)
+                           BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K, EVEN_N, USE_TMA, TMA_A, SWAP_AB, DOT_IEEE, DOT_F32, FP8)
         if MULTI_CHUNK:
             for k_lo in range(K_CHUNK, K, K_CHUNK):
-                total += _chunk_sum(x_ptr, w_ptr, w_desc, xs_ptr, ws_ptr, offs_m, row_ok, offs_n, n_ok, pid_n, k_lo,
+                total += _chunk_sum(x_ptr, x_desc, w_ptr, w_desc, xs_ptr, ws_ptr, offs_m, row_ok, offs_n, n_ok, pid_m, pid_n, k_lo,
                                     tl.minimum(k_lo + K_CHUNK, K), K, stride_xm, stride_xk, stride_wn, stride_wk,
                                     stride_xs, stride_ws, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K, EVEN_N, USE_TMA,
-                                    SWAP_AB, DOT_IEEE, DOT_F32, FP8)
+                                    TMA_A, SWAP_AB, DOT_IEEE, DOT_F32, FP8)
         _store_rows(total, bias_ptr, y_ptr, offs_m, row_ok, offs_n, n_ok, stride_ym, HAS_BIAS, DOT_F32)
 
 
@@ -144,15 +148,18 @@ def _linear_reduce_kernel(
 def linear_plan(rows: int, n: int, k: int, config: dict | None = None, *, fp8: bool = False) -> tuple[dict, int, bool]:
     """(tile config, K chunk length, whether chunks run in separate programs) of a call with
     ``rows`` rows and a weight ``[n, k]``; shapes only. ``config`` overrides the tile; ``fp8``
-    (block-FP8 weights) takes 128-column K blocks, one weight scale block each."""
+    (block-FP8 weights) takes 128-column K blocks, one weight scale block each, and its prefill
+    tiles read the activations by TMA (``TMA_A``)."""
     g = dict(config) if config is not None else pick_linear_config(rows, n, k)
     if fp8:
         g["BLOCK_K"] = FP8_BLOCK
-        if config is None and g["BLOCK_M"] * g["BLOCK_N"] >= 64 * 128:
+        if config is None and not g.get("SWAP_AB", False):
             # A K block's scaled products take a second fp32 tile beside the chunk's accumulator
-            # (and a third, the chunks' total): 64 x 128 tiles on two warpgroups compile without
-            # spills, one warpgroup or 128 x 128 tiles spill (sm_90a compile test).
-            g.update(BLOCK_M=64, num_warps=8)
+            # (and a third, the chunks' total). With the activation tiles by TMA (TMA_A: this call's
+            # quantized copy) the 64 x 128 and 128 x 128 tiles compile without spills on two
+            # warpgroups (248 registers at 128 x 128); with pointer loads 128 x 128 spilled, and
+            # 64 x 128 ran at 0.3x vLLM's CUTLASS GEMM at 2048 rows (a03f8ae).
+            g.update(num_warps=8, TMA_A=True)
     chunk = k_chunk(n, k)
     tiles = triton.cdiv(rows, g["BLOCK_M"]) * triton.cdiv(n, g["BLOCK_N"])
     return g, chunk, chunk < k and tiles < LINEAR_SPLIT_BELOW_TILES
@@ -230,6 +237,10 @@ def _linear(x, weight, weight_scale, bias, config, split, pdl) -> torch.Tensor:
         ws = weight_scale
     else:
         a, xs, ws = rows, y, y  # (xs, ws: unread placeholders)
+    # TMA for the activations only where they are this call's own quantized copy (always contiguous and
+    # aligned, so the choice is the layer's, never the call's: no variant appears while serving).
+    tma_a = bool(g.get("TMA_A")) and fp8 and not interpret and tma_ok(a)
+    x_desc = descriptor(a, [bm, bk]) if tma_a else a
     w_desc = weight
     if g["USE_TMA"]:
         if tma_ok(weight):
@@ -242,11 +253,11 @@ def _linear(x, weight, weight_scale, bias, config, split, pdl) -> torch.Tensor:
     common = dict(DOT_IEEE=(x.dtype == torch.float32 or interpret) and not fp8, DOT_F32=interpret, FP8=fp8)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     _linear_kernel[(tiles, chunks if split else 1)](
-        a, weight, w_desc, xs, ws, b, y, part, m, n, k, chunk,
+        a, x_desc, weight, w_desc, xs, ws, b, y, part, m, n, k, chunk,
         a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), xs.stride(0), ws.stride(0), y.stride(0), m * n,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=g["GROUP_M"], STAGES=g["num_stages"], SPLIT=split,
         MULTI_CHUNK=chunks > 1, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, EVEN_N=n % bn == 0,
-        USE_TMA=g["USE_TMA"], SWAP_AB=g["SWAP_AB"], **common,
+        USE_TMA=g["USE_TMA"], TMA_A=tma_a, SWAP_AB=g["SWAP_AB"], **common,
         num_warps=g["num_warps"], num_stages=g["num_stages"], **pdl_launch(y, pdl, interpret),
     )
     if split:

@@ -22,7 +22,8 @@ counts 1-byte weights at the measured dense FP8 rate (``harness.fp8_rate``). Fil
 
 ``--sweep`` times kittens' tile variants (``SWEEP``: the same function, so each is checked bit for
 bit against the default first) at ``--points MODEL:LAYER:ROWS``, ``--sweep-repeats`` times
-interleaved: ``linear_sweep.{json,md}`` (benchmark ``linear_sweep`` in ``history.csv``).
+interleaved, beside cuBLAS (with ``--fp8``: the block-FP8 GEMM, beside vLLM's CUTLASS one):
+``linear_sweep[_fp8].{json,md}`` (benchmark ``linear_sweep[_fp8]`` in ``history.csv``).
 """
 
 from __future__ import annotations
@@ -67,6 +68,15 @@ SWEEP = {
     "128x128 k128 s3 w8": (dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_stages=3, num_warps=8, SWAP_AB=False, GROUP_M=8), None),
     "swap 64x64 s4": (dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_stages=4, num_warps=4, SWAP_AB=True, GROUP_M=1), None),
     "swap 16x128 s4": (dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_stages=4, num_warps=4, SWAP_AB=True, GROUP_M=1), None),
+    # Block-FP8 prefill tiles (BLOCK_K is 128 there whatever the label says), activations by TMA or not.
+    "fp8 64x128 w8 pointer A": (dict(BLOCK_M=64, BLOCK_N=128, num_stages=4, num_warps=8, SWAP_AB=False, GROUP_M=8,
+                                     TMA_A=False), None),
+    "fp8 64x128 w8 TMA A": (dict(BLOCK_M=64, BLOCK_N=128, num_stages=4, num_warps=8, SWAP_AB=False, GROUP_M=8,
+                                 TMA_A=True), None),
+    "fp8 128x128 s3 w8 TMA A": (dict(BLOCK_M=128, BLOCK_N=128, num_stages=3, num_warps=8, SWAP_AB=False, GROUP_M=8,
+                                     TMA_A=True), None),
+    "fp8 128x128 s4 w8 TMA A": (dict(BLOCK_M=128, BLOCK_N=128, num_stages=4, num_warps=8, SWAP_AB=False, GROUP_M=8,
+                                     TMA_A=True), None),
 }
 
 
@@ -83,33 +93,42 @@ def parse_point(text: str) -> tuple[str, str, int]:
     return model, layer, rows_n
 
 
-def sweep(points, labels, repeats: int, gen) -> list[dict]:
-    """Each label's median replay time per point and repeat, variants interleaved, with cuBLAS
-    (label ``cublas``) as the baseline; a variant whose output differs from the default's bits is
-    recorded as such and not timed."""
-    from mok_serve.kernels.cuda.configs import pick_linear_config
-    from mok_serve.kernels.cuda.linear import invariant_linear_triton
+def sweep(points, labels, repeats: int, gen, fp8_flops: float | None = None) -> list[dict]:
+    """Each label's median replay time per point and repeat, variants interleaved, with the GEMM a
+    default server runs as the baseline (cuBLAS, label ``cublas``; with ``fp8_flops``, the measured
+    dense FP8 rate, block-FP8 weights and vLLM's CUTLASS block-FP8 GEMM, ``vllm-cutlass``, where vLLM
+    imports); a variant whose output differs from the default's bits is recorded as such and not timed."""
+    fp8 = fp8_flops is not None
+    from mok_serve.kernels.cuda.linear import invariant_linear_fp8_triton, invariant_linear_triton, linear_plan
+    from mok_serve.kernels.fp8 import quantize_fp8_blocks
 
     out = []
     for model, layer, rows in points:
         n, k = DENSE_LAYERS[model][layer]
-        w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", generator=gen) / k**0.5
         x = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
-        default = invariant_linear_triton(x, w)
+        if fp8:
+            args = quantize_fp8_blocks(w)
+            kittens = invariant_linear_fp8_triton
+            baseline = ("vllm-cutlass", fp8_providers().get("vllm-cutlass"))
+        else:
+            args = (w.to(torch.bfloat16),)
+            kittens = invariant_linear_triton
+            baseline = ("cublas", torch.nn.functional.linear)  # the non-invariant GEMM a default server runs
+        default = kittens(x, *args)
         calls = {}
+        point = dict(model=model, layer=layer, n=n, k=k, rows=rows, floor_ms=floor_ms(rows, n, k, fp8_flops))
         for label in labels:
             overrides, split = SWEEP[label]
-            cfg = dict(pick_linear_config(rows, n, k), **overrides) if overrides else None
-            fn = lambda cfg=cfg, split=split: invariant_linear_triton(x, w, config=cfg, split=split)  # noqa: E731
+            cfg = dict(linear_plan(rows, n, k, fp8=fp8)[0], **overrides) if overrides else None
+            fn = lambda cfg=cfg, split=split: kittens(x, *args, config=cfg, split=split)  # noqa: E731
             same = bool(torch.equal(fn(), default))
-            out.append(dict(model=model, layer=layer, n=n, k=k, rows=rows, label=label, same_bits=same,
-                            floor_ms=floor_ms(rows, n, k), times_ms=[]))
+            out.append(dict(point, label=label, same_bits=same, times_ms=[]))
             if same:
                 calls[label] = (fn, out[-1])
-        cublas = dict(model=model, layer=layer, n=n, k=k, rows=rows, label="cublas", same_bits=None,
-                      floor_ms=floor_ms(rows, n, k), times_ms=[])  # the non-invariant GEMM a default server runs
-        out.append(cublas)
-        calls["cublas"] = (lambda: torch.nn.functional.linear(x, w), cublas)
+        if baseline[1] is not None:
+            out.append(dict(point, label=baseline[0], same_bits=None, times_ms=[]))
+            calls[baseline[0]] = (lambda fn=baseline[1]: fn(x, *args), out[-1])
         for _ in range(repeats):
             for label, (fn, rec) in calls.items():
                 rec["times_ms"].append(graph_time(fn)[0])
@@ -283,14 +302,15 @@ def main(argv: list[str] | None = None) -> int:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.sweep:
-        results = sweep(points, labels, args.sweep_repeats, gen)
-        (out / "linear_sweep.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+        results = sweep(points, labels, args.sweep_repeats, gen, rate)
+        name = "linear_sweep_fp8" if args.fp8 else "linear_sweep"
+        (out / f"{name}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
         text = sweep_markdown(meta, results)
-        (out / "linear_sweep.md").write_text(text)
-        history.write([dict(date=meta["date"][:19], commit=meta["commit"], benchmark="linear_sweep", gpu=meta["gpu"],
+        (out / f"{name}.md").write_text(text)
+        history.write([dict(date=meta["date"][:19], commit=meta["commit"], benchmark=name, gpu=meta["gpu"],
                             versions=f"torch={meta['torch']} triton={meta['triton']}", shape=f"{r['model']}:{r['layer']}",
                             tokens_or_load=r["rows"], routing="", config=f"variant={r['label']} repeat={i}",
-                            provider="cublas" if r["label"] == "cublas" else "kittens", metric="time_ms", value=t,
+                            provider=r["label"] if r["same_bits"] is None else "kittens", metric="time_ms", value=t,
                             unit="ms", source="")
                        for r in results for i, t in enumerate(r["times_ms"])], history.resolve(args), "mok-loadtest linear")
         print(text)

@@ -55,6 +55,8 @@ FP8_LINEAR = "vllm.model_executor.layers.quantization.fp8"  # its Fp8LinearMetho
 ATTENTION_CALLER = "vllm.v1.attention.backends.triton_attn"
 
 _installed = False
+INSTALLED = ("kittens: deterministic serving: dense layers (bf16 and block FP8), RMSNorms and Triton paged "
+             "attention run mok-serve's batch-invariant kernels")
 
 
 def kittens_linear_batch_invariant(input, weight, bias=None):
@@ -159,8 +161,14 @@ def install() -> bool:
     # Each dense layer's and attention layer's first call compiles the kernel variants of every
     # batch the scheduler can form, as the kittens experts' first call does (experts.py).
     max_tokens = config.scheduler_config.max_num_batched_tokens if config is not None else 0
-    warm_up_invariant_kernels(max_tokens or 0)
+    warm_up_invariant_kernels(max_tokens or 0, report=log_warm_up)
     _installed = True
-    logger.info_once("kittens: deterministic serving: dense layers (bf16 and block FP8), RMSNorms and Triton "
-                     "paged attention run mok-serve's batch-invariant kernels")
+    logger.info_once(INSTALLED)
     return True
+
+
+def log_warm_up(what: str, variants: list, seconds: float) -> None:
+    """Log one first-call warm-up of an invariant kernel (so a compile seen later while serving can
+    be told apart from one the warm-up should have done)."""
+    logger.info("kittens: compiled %s for its calls (%d variants: %s) in %.1f s", what, len(variants), variants,
+                seconds)

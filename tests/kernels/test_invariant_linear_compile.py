@@ -1,5 +1,5 @@
 """The batch-invariant dense GEMM compiles for Hopper (sm_90a) without a GPU, for every tile config
-``pick_linear_config`` gives, with its K chunks in one program and split over programs, bf16 and
+``linear_plan`` gives (FP8 prefill tiles with their activations by TMA), with its K chunks in one program and split over programs, bf16 and
 block FP8: bf16 (or FP8) wgmma only (what its bit-for-bit invariance across tiles rests on), no
 register spills, shared memory within an SM's 227 KB; and with the per-call integers at 1 (Triton
 passes them as constants). Same method as tests/kernels/test_triton_moe_compile.py."""
@@ -22,12 +22,14 @@ for fp8 in (False, True):
             for m in ((rows, 1) if rows == 1 else (rows,)):
                 build(f"linear_{a}_rows{rows}_split{int(split)}", lin._linear_kernel,
                       dict(x_ptr=f"*{a}", w_ptr=f"*{a}", w_desc=f"tensordesc<{a}[{g['BLOCK_N']}, {g['BLOCK_K']}]>",
+                           x_desc=f"tensordesc<{a}[{g['BLOCK_M']}, {g['BLOCK_K']}]>" if g.get("TMA_A") else f"*{a}",
                            xs_ptr="*fp32", ws_ptr="*fp32", bias_ptr="*bf16", y_ptr="*bf16", part_ptr="*fp32"),
                       dict(M=m, N=n, K=k, K_CHUNK=512, stride_xm=k, stride_xk=1, stride_wn=k, stride_wk=1,
                            stride_xs=k // 128, stride_ws=k // 128, stride_ym=n, stride_part=m * n),
                       dict(BLOCK_M=g["BLOCK_M"], BLOCK_N=g["BLOCK_N"], BLOCK_K=g["BLOCK_K"], GROUP_M=g["GROUP_M"],
                            STAGES=g["num_stages"], SPLIT=split, MULTI_CHUNK=True, HAS_BIAS=True, EVEN_K=True,
-                           EVEN_N=True, USE_TMA=True, SWAP_AB=g.get("SWAP_AB", False), DOT_IEEE=False, DOT_F32=False,
+                           EVEN_N=True, USE_TMA=True, TMA_A=g.get("TMA_A", False), SWAP_AB=g.get("SWAP_AB", False),
+                           DOT_IEEE=False, DOT_F32=False,
                            FP8=fp8, PDL=True),
                       g["num_warps"], g["num_stages"])
 build("quantize_rows", lin._quantize_kernel, dict(x_ptr="*bf16", xq_ptr="*fp8e4nv", xs_ptr="*fp32"),
@@ -35,12 +37,12 @@ build("quantize_rows", lin._quantize_kernel, dict(x_ptr="*bf16", xq_ptr="*fp8e4n
 # One row, one column, one chunk: every integer the constant 1.
 g = pick_linear_config(1, 1, 1)
 build("linear_all_ones", lin._linear_kernel,
-      dict(x_ptr="*bf16", w_ptr="*bf16", w_desc="*bf16", xs_ptr="*fp32", ws_ptr="*fp32", bias_ptr="*bf16",
+      dict(x_ptr="*bf16", x_desc="*bf16", w_ptr="*bf16", w_desc="*bf16", xs_ptr="*fp32", ws_ptr="*fp32", bias_ptr="*bf16",
            y_ptr="*bf16", part_ptr="*fp32"),
       dict(M=1, N=1, K=1, K_CHUNK=1, stride_xm=1, stride_xk=1, stride_wn=1, stride_wk=1, stride_xs=1, stride_ws=1,
            stride_ym=1, stride_part=1),
       dict(BLOCK_M=g["BLOCK_M"], BLOCK_N=g["BLOCK_N"], BLOCK_K=g["BLOCK_K"], GROUP_M=1, STAGES=g["num_stages"],
-           SPLIT=False, MULTI_CHUNK=False, HAS_BIAS=False, EVEN_K=False, EVEN_N=False, USE_TMA=False,
+           SPLIT=False, MULTI_CHUNK=False, HAS_BIAS=False, EVEN_K=False, EVEN_N=False, USE_TMA=False, TMA_A=False,
            SWAP_AB=True, DOT_IEEE=False, DOT_F32=False, FP8=False, PDL=True), g["num_warps"], g["num_stages"])
 for m, n, chunks in ((1, 1, 1), (7, 4096, 8)):
     build(f"reduce_{m}x{n}", lin._linear_reduce_kernel,

@@ -69,9 +69,11 @@ def test_every_tile_split_and_tma_gives_the_same_bits():
             cfg, _, _ = linear_plan(rows, n, k, fp8=True)
             for split in (False, True):
                 for tma in (False, True):
-                    out = invariant_linear_fp8_triton(x, wq, ws, b, config=dict(cfg, USE_TMA=tma), split=split)
-                    first = out if first is None else first
-                    assert torch.equal(out, first), (n, k, cfg, split, tma)
+                    for tma_a in (False, True):  # weights, activations by TMA or pointer loads
+                        out = invariant_linear_fp8_triton(x, wq, ws, b, config=dict(cfg, USE_TMA=tma, TMA_A=tma_a),
+                                                          split=split)
+                        first = out if first is None else first
+                        assert torch.equal(out, first), (n, k, cfg, split, tma, tma_a)
         # The bf16 GEMM's own tiles (BLOCK_K 128 imposed) give those bits too.
         out = invariant_linear_fp8_triton(x, wq, ws, b, config=configs.pick_linear_config(300, n, k))
         assert torch.equal(out, first)

@@ -49,15 +49,16 @@ def test_nothing_runs_on_the_cpu():
     assert warm_up(x, w13, w2, torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.int32), 4096) == []
 
 
+@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("n,k", [(5120, 2048), (2048, 4096), (151936, 2048), (256, 128)])
-def test_every_row_count_shares_the_linear_variant_of_a_warmed_count(n, k):
+def test_every_row_count_shares_the_linear_variant_of_a_warmed_count(n, k, fp8):
     from mok_serve.kernels.cuda.linear import linear_plan
 
     def variant(rows):
-        config, _, split = linear_plan(rows, n, k)
+        config, _, split = linear_plan(rows, n, k, fp8=fp8)
         return tuple(sorted(config.items())), split
 
-    rows = warm_up_linear_rows(n, k, 3000)
+    rows = warm_up_linear_rows(n, k, 3000, fp8=fp8)
     assert rows[0] == 1 and rows == sorted(rows)
     for r in rows[1:]:  # each count starts a new variant...
         assert variant(r - 1) != variant(r)
@@ -71,6 +72,34 @@ def test_qwen3_30b_qkv_rows_and_why():
     # 65: 64 x 128 tiles, split while under 132 tiles, whole from 193 (4 x 40 tiles); 257: 128 x 128
     # tiles, split again (3 x 40), whole from 385.
     assert warm_up_linear_rows(5120, 2048, 8192) == [1, 17, 33, 65, 193, 257, 385]
+
+
+def test_fp8_prefill_tiles_read_activations_by_tma():
+    from mok_serve.kernels.cuda.linear import linear_plan
+
+    for rows, block_m in ((65, 64), (256, 64), (257, 128), (8192, 128)):
+        config, _, _ = linear_plan(rows, 5120, 2048, fp8=True)
+        assert (config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"], config["num_warps"]) == (block_m, 128, 128, 8)
+        assert config["TMA_A"] and not config.get("SWAP_AB")
+    for rows in (1, 64):  # decode: swapped operands, activations by pointer loads
+        config, _, _ = linear_plan(rows, 5120, 2048, fp8=True)
+        assert config["SWAP_AB"] and "TMA_A" not in config
+    assert "TMA_A" not in linear_plan(2048, 5120, 2048)[0]  # bf16: x is the caller's, alignment per call
+
+
+def test_a_warm_up_is_reported_when_it_ends():
+    import mok_serve.kernels as kernels
+
+    heard = []
+    try:
+        warm_up_invariant_kernels(64, report=lambda *a: heard.append(a))
+        kernels._reported_warm_up("invariant_linear [4, 8]", lambda: [1, 17])
+    finally:
+        warm_up_invariant_kernels(0)
+    (what, variants, seconds), = heard
+    assert (what, variants) == ("invariant_linear [4, 8]", [1, 17]) and seconds >= 0
+    kernels._reported_warm_up("unheard", lambda: [])  # no report set: nothing to tell
+    assert len(heard) == 1
 
 
 def test_attention_paths_and_the_warm_up_switch():

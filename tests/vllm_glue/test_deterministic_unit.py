@@ -34,11 +34,13 @@ def test_install_puts_kittens_linear_where_vllm_calls_its_own(monkeypatch):
     from mok_serve import kernels
 
     monkeypatch.setattr(kernels, "_invariant_warm_up_rows", 0)
+    monkeypatch.setattr(kernels, "_invariant_warm_up_report", None)
     scheduler = SchedulerConfig(max_num_batched_tokens=1234, max_model_len=1234, is_encoder_decoder=False)
     with set_current_vllm_config(VllmConfig(scheduler_config=scheduler)):
         assert deterministic.install()
     # The dense and attention kernels' first calls compile every batch the scheduler can form.
     assert kernels._invariant_warm_up_rows == 1234
+    assert kernels._invariant_warm_up_report is deterministic.log_warm_up  # each warm-up in the server's log
     assert all(m.linear_batch_invariant is deterministic.kittens_linear_batch_invariant for m in modules)
     assert norm.rms_norm_batch_invariant is deterministic.kittens_rms_norm_batch_invariant
     assert attention.unified_attention.vllm_kernel is vllm_attention
