@@ -14,6 +14,33 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 
+# Environment variables that mok-serve sets and that change what later tests' servers and kernels
+# do: a test that leaves one changed fails (a bind list leaked this way once made every later
+# multi-rank CPU server bind to CPUs the machine lacks). Set them with monkeypatch, or in a server's
+# own environment. (vLLM sets others of its own, process-wide, as it builds a config.)
+GUARDED_ENV_PREFIXES = ("MOK_", "VLLM_CPU_", "VLLM_BATCH_INVARIANT", "VLLM_PLUGINS")
+
+
+def _guarded_env() -> dict:
+    return {k: v for k, v in os.environ.items() if k.startswith(GUARDED_ENV_PREFIXES)}
+
+
+@pytest.fixture(autouse=True)
+def environment_left_as_found():
+    before = _guarded_env()
+    yield
+    after = _guarded_env()
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    for key in changed:
+        if key in before:
+            os.environ[key] = before[key]
+        else:
+            del os.environ[key]
+    if changed:
+        pytest.fail(f"the test left {', '.join(changed)} changed in this process's environment (restored now); "
+                    "set them with monkeypatch (setenv before delenv, so an unset one is unset again after)")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -584,8 +584,8 @@ class SymmetricMemoryEPWorkspace:
                 parts.append((self.seg_xs, self.seg_inbox_s, triton.cdiv(H, GROUP)))
             for seg, inbox, row in parts:
                 send = seg[: T * row]
-                self.exchange.all_to_all(inbox[: far * T * row], send.repeat(far) if far > 1 else send,
-                                         self._far_splits(T * row), self._far_splits(T * row))
+                splits = self._far_splits(T * row)  # the same sizes both ways
+                self.exchange.all_to_all(inbox[: far * T * row], send.repeat(far) if far > 1 else send, splits, splits)
 
         picker = pick_configs_fp8 if fp8 else pick_configs
         g1, g2 = picker(T, K, max(num_local, 1), H, inter)  # by T, the bound rows are laid out for
@@ -636,8 +636,8 @@ class SymmetricMemoryEPWorkspace:
 
         def exchange_results():
             n = far * T * K * H
-            self.exchange.all_to_all(self.res_recv[:n], self.res_send[:n], self._far_splits(T * K * H),
-                                     self._far_splits(T * K * H))
+            splits = self._far_splits(T * K * H)
+            self.exchange.all_to_all(self.res_recv[:n], self.res_send[:n], splits, splits)
 
         def combine():
             if tokens:

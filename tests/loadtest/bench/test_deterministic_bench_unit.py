@@ -65,10 +65,12 @@ def test_linear_sweep_points_and_table():
     assert set(linear.SWEEP) >= {"default", "split", "no split"}
     from mok_serve.kernels.cuda.linear import linear_plan
 
-    for label in (x for x in linear.SWEEP if x.startswith("fp8 ")):  # block-FP8 prefill tiles, TMA A on or off
+    for label in (x for x in linear.SWEEP if x.startswith("fp8 ")):  # block-FP8 tiles (prefill: TMA A on or off)
         overrides, _ = linear.SWEEP[label]
-        config, _, _ = linear_plan(2048, 5120, 2048, {**linear_plan(2048, 5120, 2048, fp8=True)[0], **overrides}, fp8=True)
-        assert config["BLOCK_K"] == 128 and config["TMA_A"] == ("TMA A" in label), label
+        rows = 1 if "swap" in label else 2048
+        config, _, _ = linear_plan(rows, 5120, 2048, {**linear_plan(rows, 5120, 2048, fp8=True)[0], **overrides}, fp8=True)
+        assert config["BLOCK_K"] == 128 and config.get("TMA_A", False) == ("TMA A" in label), label
+        assert config["SWAP_AB"] == ("swap" in label), label
     meta = dict(gpu="g", commit="c", timing="median")
     results = [dict(model="m", layer="l", rows=8, label="default", same_bits=True, floor_ms=0.01, median_ms=0.02),
                dict(model="m", layer="l", rows=8, label="x", same_bits=False, floor_ms=0.01),
