@@ -210,6 +210,11 @@ def _linear(x, weight, weight_scale, bias, config, split, pdl) -> torch.Tensor:
     fp8 = weight_scale is not None
     n, k = weight.shape
     rows = x.reshape(math.prod(x.shape[:-1]), k)
+    if not (rows.is_contiguous() and rows.data_ptr() % 16 == 0):
+        # Triton specializes a kernel on its pointers' 16-byte alignment and its strides: a view the
+        # caller passes (an offset slice of a compiled graph's buffer, say) would make a variant no
+        # warm-up compiled, so the kernels read an aligned copy instead (same values, same bits).
+        rows = torch.empty_like(rows, memory_format=torch.contiguous_format).copy_(rows)
     m = rows.shape[0]
     if bias is not None:
         bias = bias.contiguous()  # (a broadcast bias has stride 0; the kernels read it densely)
