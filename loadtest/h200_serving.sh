@@ -5,7 +5,7 @@
 #   bash loadtest/h200_serving.sh SHAPE BACKEND[,BACKEND] OUT [RATE]   # BACKEND: stock or kittens,
 #                                                             # either with -deterministic (mok-serve --deterministic)
 # Two backends share one GPU: both servers start at once (a start is ~2.5 min, mostly compiles on
-# the host), each with a fixed KV cache (KV_BYTES, default 24 GiB: skips vLLM's memory profiling,
+# the host), each with a fixed KV cache (KV_GIB, default 24 GiB: skips vLLM's memory profiling,
 # which would count the other server's allocations as its own) and GPU_UTIL (default 0.45) of the
 # GPU; then the grid runs against one server, then the other, so no measurement overlaps another.
 # RATE (req/s, default 24) is meant to sit just below saturation: about 0.9 x the output tok/s of

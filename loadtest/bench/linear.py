@@ -103,23 +103,20 @@ def sweep(points, labels, repeats: int, gen, fp8_flops: float | None = None) -> 
     default server runs as the baseline (cuBLAS, label ``cublas``; with ``fp8_flops``, the measured
     dense FP8 rate, block-FP8 weights and vLLM's CUTLASS block-FP8 GEMM, ``vllm-cutlass``, where vLLM
     imports); a variant whose output differs from the default's bits is recorded as such and not timed."""
-    fp8 = fp8_flops is not None
     from mok_serve.kernels.cuda.linear import invariant_linear_fp8_triton, invariant_linear_triton, linear_plan
     from mok_serve.kernels.fp8 import quantize_fp8_blocks
 
+    fp8 = fp8_flops is not None
+    if fp8:
+        kittens, baseline = invariant_linear_fp8_triton, ("vllm-cutlass", fp8_providers().get("vllm-cutlass"))
+    else:  # cuBLAS: the non-invariant GEMM a default server runs
+        kittens, baseline = invariant_linear_triton, ("cublas", torch.nn.functional.linear)
     out = []
     for model, layer, rows in points:
         n, k = DENSE_LAYERS[model][layer]
         w = torch.randn(n, k, device="cuda", generator=gen) / k**0.5
         x = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
-        if fp8:
-            args = quantize_fp8_blocks(w)
-            kittens = invariant_linear_fp8_triton
-            baseline = ("vllm-cutlass", fp8_providers().get("vllm-cutlass"))
-        else:
-            args = (w.to(torch.bfloat16),)
-            kittens = invariant_linear_triton
-            baseline = ("cublas", torch.nn.functional.linear)  # the non-invariant GEMM a default server runs
+        args = quantize_fp8_blocks(w) if fp8 else (w.to(torch.bfloat16),)
         default = kittens(x, *args)
         calls = {}
         point = dict(model=model, layer=layer, n=n, k=k, rows=rows, floor_ms=floor_ms(rows, n, k, fp8_flops))
