@@ -25,10 +25,9 @@ def _guarded_env() -> dict:
     return {k: v for k, v in os.environ.items() if k.startswith(GUARDED_ENV_PREFIXES)}
 
 
-@pytest.fixture(autouse=True)
-def environment_left_as_found():
-    before = _guarded_env()
-    yield
+def restore_guarded_env(before: dict) -> list[str]:
+    """Put the guarded variables back as ``before`` (``_guarded_env()`` then) held them; returns the
+    names that had changed."""
     after = _guarded_env()
     changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
     for key in changed:
@@ -36,6 +35,14 @@ def environment_left_as_found():
             os.environ[key] = before[key]
         else:
             del os.environ[key]
+    return changed
+
+
+@pytest.fixture(autouse=True)
+def environment_left_as_found():
+    before = _guarded_env()
+    yield
+    changed = restore_guarded_env(before)
     if changed:
         pytest.fail(f"the test left {', '.join(changed)} changed in this process's environment (restored now); "
                     "set them with monkeypatch (setenv before delenv, so an unset one is unset again after)")

@@ -66,10 +66,23 @@ def test_strided_rows_no_bias_and_unwritten_rows_show():
     assert torch.equal(out, invariant_linear_reference(x, w))
 
 
-def test_an_offset_view_reads_as_its_aligned_copy():
+def test_an_offset_view_reads_as_its_aligned_copy(monkeypatch):
     """A view that starts off a 16-byte boundary (or skips rows) gives the bits of the same rows
     passed contiguous: the launcher hands the kernels an aligned copy, so no alignment variant
     exists for a warm-up to miss."""
+    from mok_serve.kernels.cuda import linear as lin
+
+    launched = []
+
+    class Spy:  # records the activation pointer each _linear_kernel launch gets
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append(args[0])
+                return real[grid](*args, **kwargs)
+            return launch
+
+    real = lin._linear_kernel
+    monkeypatch.setattr(lin, "_linear_kernel", Spy())
     x, w, b = _inputs(9, 64, 1024, torch.bfloat16, seed=5)
     flat = torch.full((9 * 1024 + 3,), float("nan"), dtype=torch.bfloat16)
     flat[3:] = x.reshape(-1)
@@ -79,3 +92,4 @@ def test_an_offset_view_reads_as_its_aligned_copy():
     want = invariant_linear_triton(x, w, b)
     assert torch.equal(invariant_linear_triton(offset, w, b), want)
     assert torch.equal(invariant_linear_triton(every_other, w, b), want)
+    assert len(launched) == 3 and all(a.is_contiguous() and a.data_ptr() % 16 == 0 for a in launched)
