@@ -4,6 +4,7 @@ import importlib.util
 import json
 import shutil
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -108,23 +109,34 @@ def dequantized_copy(fp8_dir, out):
     return out
 
 
-def stream_completion(server, model, prompt, max_tokens, *, headers=None, stop_after=None):
-    """(text pieces, finish reason) of a streamed greedy completion with ``ignore_eos``; with
-    ``stop_after``, the connection is dropped after that many chunks (finish reason "dropped")."""
+class Streamed(NamedTuple):
+    pieces: list[str]  # the text of each chunk
+    finish: str | None  # the last finish reason sent, "dropped" where the client hung up
+    tokens: int | None  # completion tokens in the final usage chunk (None: none came)
+
+
+def stream_completion(server, model, prompt, max_tokens, *, headers=None, stop_after=None) -> Streamed:
+    """A streamed greedy completion with ``ignore_eos`` and a final usage chunk; with ``stop_after``,
+    the connection is dropped after that many chunks. A chunk without choices other than the usage
+    chunk (an error event) raises KeyError, as the error ends the stream."""
     import httpx
 
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}  # fmt: skip
-    pieces, finish = [], None
+            "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    pieces, finish, tokens = [], None, None
     with httpx.Client(base_url=server.url, headers=headers, timeout=300) as c, \
             c.stream("POST", "/v1/completions", json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            choice = json.loads(line[6:])["choices"][0]
+            chunk = json.loads(line[6:])
+            if chunk.get("usage") and not chunk.get("choices"):
+                tokens = chunk["usage"]["completion_tokens"]
+                continue
+            choice = chunk["choices"][0]
             pieces.append(choice["text"])
             finish = choice.get("finish_reason") or finish
             if stop_after is not None and len(pieces) >= stop_after:
-                return pieces, "dropped"
-    return pieces, finish
+                return Streamed(pieces, "dropped", None)
+    return Streamed(pieces, finish, tokens)

@@ -226,10 +226,10 @@ def test_client_disconnect_mid_stream_does_not_disturb_others(server):
         drops = [pool.submit(_stream, server, model, PROMPTS[i % 6], 400, stop_after=3) for i in range(4)]
         keeps = [pool.submit(_stream, server, model, PROMPTS[2], 48) for _ in range(4)]
         for f in drops:
-            assert f.result()[1] == "dropped"
+            assert f.result().finish == "dropped"
         for f in keeps:
-            pieces, finish = f.result()
-            assert finish == "length" and "".join(pieces) == expected
+            streamed = f.result()
+            assert streamed.finish == "length" and streamed.tokens == 48 and "".join(streamed.pieces) == expected
     # The dropped requests are aborted: the server drains and keeps serving.
     assert greedy(server, PROMPTS[2], max_tokens=48) == expected
 
@@ -238,8 +238,8 @@ def test_64_concurrent_streams_complete(server):
     model = model_of(server)
     with ThreadPoolExecutor(64) as pool:
         results = list(pool.map(lambda i: _stream(server, model, f"{PROMPTS[i % 6]} ({i})", 24), range(64)))
-    for pieces, finish in results:
-        assert finish == "length" and len(pieces) >= 1
+    for r in results:
+        assert r.finish == "length" and r.tokens == 24 and len(r.pieces) >= 1
     assert layers(server)["layers"][0]["ranks"][0]["calls"] > 0
 
 

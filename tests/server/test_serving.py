@@ -3,6 +3,7 @@ the stock backend, batch invariance, CPU tensor parallel + expert parallel, star
 
 import json
 import os
+import re
 import shutil
 import signal
 import time
@@ -108,24 +109,27 @@ def test_data_parallel_2_expert_parallel_equals_tp1(kittens_server):
 
 
 def stream_outcome(server, model, prompt, max_tokens) -> str:
-    """"ok" for a streamed completion that ran to ``max_tokens`` (finish reason "length"; under load
-    vLLM may send several tokens in one chunk, so chunks are not counted), else what ended it."""
+    """"ok" for a streamed completion that ran to ``max_tokens`` (finish reason "length" and the
+    usage chunk's count; under load vLLM may send several tokens in one chunk, so chunks are not
+    counted), else what ended it."""
     try:
-        pieces, finish = stream_completion(server, model, prompt, max_tokens)
+        streamed = stream_completion(server, model, prompt, max_tokens)
     except Exception as exc:  # noqa: BLE001 - any error is an outcome here
         return f"error: {type(exc).__name__}"
-    return "ok" if finish == "length" and pieces else f"ended: {finish} after {len(pieces)} chunks"
+    if streamed.finish == "length" and streamed.tokens == max_tokens:
+        return "ok"
+    return f"ended: {streamed.finish} after {len(streamed.pieces)} chunks, {streamed.tokens} tokens"
 
 
-def rank_process(server, dp: int, tp: int):
-    """The process that runs DP rank ``dp``'s TP rank ``tp``: its worker (vLLM titles it
-    VLLM::Worker_DP<dp>_TP<tp>...) or, where the engine core runs its one worker itself, the core."""
+def rank_process(server, dp: int, tp: int, tp_size: int):
+    """The process that computes DP rank ``dp``'s TP rank ``tp``: its worker, which vLLM titles
+    VLLM::Worker_DP<dp>[_TP<tp>]_EP<ep> (the TP part where ``tp_size`` > 1). Killing the engine
+    core above it instead would leave the worker running until it noticed."""
     import psutil
 
+    title = re.compile(rf"VLLM::Worker_DP{dp}{f'_TP{tp}' if tp_size > 1 else ''}_EP\d+\b")
     titles = {p: " ".join(p.cmdline()) for p in psutil.Process(server.proc.pid).children(recursive=True)}
-    found = [p for p, t in titles.items() if f"Worker_DP{dp}_TP{tp}" in t]
-    if not found and tp == 0:
-        found = [p for p, t in titles.items() if t.startswith(f"VLLM::EngineCore_DP{dp}")]
+    found = [p for p, t in titles.items() if title.match(t)]
     assert len(found) == 1, list(titles.values())
     return found[0]
 
@@ -149,7 +153,7 @@ def assert_serves_as_two_simulated_nodes(model_args: list[str], expected: list[s
         with ThreadPoolExecutor(64) as pool:
             outcomes = list(pool.map(lambda i: stream_outcome(server, model, PROMPTS[i % len(PROMPTS)], 8), range(64)))
         assert outcomes == ["ok"] * 64
-        victim = rank_process(server, dp - 1, tp - 1)
+        victim = rank_process(server, dp - 1, tp - 1, tp)
         with ThreadPoolExecutor(16) as pool:
             running = [pool.submit(stream_outcome, server, model, PROMPTS[i % len(PROMPTS)], 900) for i in range(16)]
             time.sleep(5)
@@ -157,7 +161,8 @@ def assert_serves_as_two_simulated_nodes(model_args: list[str], expected: list[s
             killed = time.monotonic()
             ended = [f.result(timeout=180) for f in running]
         assert time.monotonic() - killed < 180
-        assert all(o != "ok" for o in ended), ended
+        errors = [line for line in server.log().splitlines() if "ERROR" in line][:20]
+        assert all(o != "ok" for o in ended), (ended, errors)
 
 
 def test_data_parallel_4_as_two_nodes_of_two_equals_tp1(kittens_server):

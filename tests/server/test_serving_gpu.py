@@ -190,8 +190,9 @@ def test_streaming_gives_the_non_streamed_text(servers, family):
     server = _get(servers, family, "kittens")
     c, model = client(server), model_id(server)
     whole = c.completions.create(model=model, prompt=PROMPTS[0], max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
-    pieces, finish = stream_completion(server, model, PROMPTS[0], 16)
-    assert finish == "length" and len(pieces) > 1 and "".join(pieces) == whole.choices[0].text
+    streamed = stream_completion(server, model, PROMPTS[0], 16)
+    assert streamed.finish == "length" and streamed.tokens == 16 and len(streamed.pieces) > 1
+    assert "".join(streamed.pieces) == whole.choices[0].text
     messages = [{"role": "user", "content": "Tell me about kittens."}]
     chat = c.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
     stream = c.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0, stream=True)
@@ -205,8 +206,8 @@ def test_64_concurrent_streams(servers, family, backend):
     model = model_id(server)
     with ThreadPoolExecutor(64) as pool:
         results = list(pool.map(lambda i: stream_completion(server, model, f"{PROMPTS[i % 6]} ({i})", 32), range(64)))
-    assert [finish for _, finish in results] == ["length"] * 64
-    assert all(len(pieces) >= 1 for pieces, _ in results)
+    assert [(r.finish, r.tokens) for r in results] == [("length", 32)] * 64
+    assert all(len(r.pieces) >= 1 for r in results)
     assert "Traceback" not in server.log()
 
 
