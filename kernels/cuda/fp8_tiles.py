@@ -84,9 +84,11 @@ def fp8_gemm2_tile(
     stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     SCALE_BN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, SWAP_AB: tl.constexpr,
+    STAGES: tl.constexpr = None,
 ):
     """One [BLOCK_M, BLOCK_N] tile of FP8 GEMM2 for expert ``e``: fp32 accumulator, columns, mask.
-    Shared by every FP8 GEMM2 epilogue (moe_fp8.py's and the expert-parallel push in ep.py)."""
+    Shared by every FP8 GEMM2 epilogue (moe_fp8.py's and the expert-parallel push in ep.py).
+    ``STAGES``: the K loop's pipeline depth (None: the kernel's ``num_stages``)."""
     offs_k = tl.arange(0, _GROUP)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
@@ -101,7 +103,7 @@ def fp8_gemm2_tile(
     else:
         w_ptrs = w_ptr + e64 * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
     acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
-    for kb in range(0, tl.cdiv(I, _GROUP)):
+    for kb in tl.range(0, tl.cdiv(I, _GROUP), num_stages=STAGES):
         k_ok = offs_k < I - kb * _GROUP
         a = load_rows(a_ptrs, row_ok, k_ok, EVEN_K)
         if USE_TMA:

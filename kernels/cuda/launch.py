@@ -12,14 +12,22 @@ import triton
 from ..env import knob
 
 __all__ = [
-    "cc_major", "descriptor", "e_pad", "gemm_config", "interpreting", "layer_setup", "max_row_tiles", "pdl_launch",
+    "cc_major", "check_heavy_m", "descriptor", "e_pad", "gemm_config", "interpreting", "layer_setup", "max_row_tiles", "pdl_launch",
     "tma_ok", "w13_operand", "w2_operand",
 ]
 
 
 def max_row_tiles(rows: int, num_local: int, block_m: int) -> int:
-    # sum_e ceil(c_e / BM) <= floor(sum_e c_e / BM) + (number of non-empty experts).
+    # sum_e ceil(c_e / BM) <= floor(sum_e c_e / BM) + (number of non-empty experts). Heavy tiles
+    # (``HEAVY_M``, a multiple of BM) only make fewer.
     return rows // block_m + min(num_local, rows)
+
+
+def check_heavy_m(config: dict) -> None:
+    """``HEAVY_M`` (hot experts' tile height) is 0 (off) or a multiple of ``BLOCK_M`` above it."""
+    heavy_m, bm = config.get("HEAVY_M", 0), config["BLOCK_M"]
+    if heavy_m and (heavy_m % bm or heavy_m <= bm):
+        raise ValueError(f"HEAVY_M must be a multiple of BLOCK_M above it: {config}")
 
 
 def descriptor(t2d: torch.Tensor, block: list[int]):

@@ -62,7 +62,9 @@ from .. import bad_ids
 from ..env import knob
 from ..reference import check_fused_moe_args
 from .configs import combine_block, pick_configs, schedule_block
-from .launch import e_pad, gemm_config, interpreting, layer_setup, max_row_tiles, pdl_launch, w13_operand, w2_operand
+from .launch import (
+    check_heavy_m, e_pad, gemm_config, interpreting, layer_setup, max_row_tiles, pdl_launch, w13_operand, w2_operand,
+)
 from .tiles import (
     cast,
     expert_tile,
@@ -652,9 +654,8 @@ def launch_decode_experts(
     if narrow_m and g2.get("SWAP_AB", False) and narrow_n2 < 64:
         raise ValueError(f"a narrow GEMM2 tail needs BLOCK_N >= 128 (its half is wgmma's M side): {configs}")
     w2_narrow_desc = w2_operand(w2, dict(g2, BLOCK_N=narrow_n2), bk2) if narrow_m else w2_desc
+    check_heavy_m(g1)
     heavy_m = g1.get("HEAVY_M", 0)
-    if heavy_m and (heavy_m % bm or heavy_m <= bm):
-        raise ValueError(f"HEAVY_M must be a multiple of BLOCK_M above it: {configs}")
     num_m = max_row_tiles(rows, num_local, bm)  # (heavy tiles only make fewer)
     assert sync.numel() == SYNC_TILES + num_m and sync.dtype == torch.int32
     items = sum(decode_items(rows, num_local, hidden, inter, (g1, g2)))

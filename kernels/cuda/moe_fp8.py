@@ -44,13 +44,13 @@ from ..env import knob
 from ..fp8 import BLOCK_SHAPE, FP8_DTYPE, check_fused_moe_fp8_args
 from .configs import pick_configs_fp8
 from .fp8_tiles import GROUP, fp8_gemm2_tile, quantize_rows, quantize_tile, scaled_block_dot
-from .launch import e_pad, gemm_config, interpreting, layer_setup, max_row_tiles, pdl_launch, w2_operand
+from .launch import check_heavy_m, e_pad, gemm_config, interpreting, layer_setup, max_row_tiles, pdl_launch, w2_operand
 from .moe import (
     DECODE_MAX_POLLS, SYNC_ERROR, SYNC_TICKET, SYNC_TILES, decode_sync_words, launch_combine, launch_schedule,
 )
 from .tiles import (
-    acc_zeros, cast, expert_tile, grid_dependency, load_cols, load_rows, moe_schedule_kernel, program_tile, scatter_rows,
-    tile_of, tile_rows, wait_count, zero_words,
+    acc_zeros, cast, grid_dependency, load_cols, load_rows, moe_schedule_kernel, program_tile, scatter_rows, tile_of,
+    tile_rows, two_height_expert_tile, wait_count, zero_words,
 )
 
 __all__ = [
@@ -97,6 +97,7 @@ def _fp8_gemm1_kernel(
     IN_DTYPE: tl.constexpr, TOPK: tl.constexpr, E_PAD: tl.constexpr, SCALE_BN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     GROUP_M: tl.constexpr, SWAP_AB: tl.constexpr, RNE_FIX: tl.constexpr, PDL: tl.constexpr,
+    HEAVY_M: tl.constexpr = 0, HEAVY_STAGES: tl.constexpr = None,
 ):
     """``BLOCK_N`` intermediate columns (gate and up) per program: 128, one activation group, or
     64 or 32, where two or four programs share a group: each writes its ``silu(gate) * up``
@@ -104,17 +105,38 @@ def _fp8_gemm1_kernel(
     zeroed by the schedule launch), and the last to arrive (acquire after the other's release)
     quantizes the whole group from ``acth``. Every element's arithmetic is the 128-column tile's
     and the group's maximum is exact, so all give the same bits; the split multiplies the programs
-    that read weights where one token's few experts would leave most SMs idle."""
+    that read weights where one token's few experts would leave most SMs idle.
+
+    ``HEAVY_M`` (0: off): an expert with more than ``BLOCK_M`` rows (a hot expert) runs in tiles of
+    ``HEAVY_M`` rows with ``HEAVY_STAGES``-deep pipelines, so it reads each weight tile once per
+    ``HEAVY_M`` rows instead of once per ``BLOCK_M`` (``two_height_tile_of``, from the counts on the
+    device); a row's arithmetic does not depend on its tile's height, so neither do its bits."""
     grid_dependency(PDL)
-    in_use, pid_n, e, m0, count_e, start_e = expert_tile(
-        tl.program_id(0), counts_ptr, num_local, num_m, I, BLOCK_N, E_PAD, BLOCK_M, GROUP_M
+    in_use, pid_n, e, m0, count_e, start_e, heavy = two_height_expert_tile(
+        tl.program_id(0), counts_ptr, num_local, num_m, I, BLOCK_N, E_PAD, BLOCK_M, GROUP_M,
+        HEAVY_M if HEAVY_M > 0 else BLOCK_M,
     )
     if in_use:
-        _fp8_gemm1_tile(
-            xq_ptr, xs_ptr, w_ptr, ws_ptr, actq_ptr, acts_ptr, acth_ptr, ticket_ptr, sorted_rows_ptr,
-            e, m0, count_e, start_e, pid_n, H, I, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-            IN_DTYPE, TOPK, SCALE_BN, BLOCK_M, BLOCK_N, EVEN_K, EVEN_N, SWAP_AB, RNE_FIX,
-        )
+        # (nested: a constexpr and a tensor cannot share one condition)
+        if HEAVY_M > 0:
+            if heavy:
+                _fp8_gemm1_tile(
+                    xq_ptr, xs_ptr, w_ptr, ws_ptr, actq_ptr, acts_ptr, acth_ptr, ticket_ptr, sorted_rows_ptr,
+                    e, m0, count_e, start_e, pid_n, H, I, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
+                    stride_sk, IN_DTYPE, TOPK, SCALE_BN, HEAVY_M, BLOCK_N, EVEN_K, EVEN_N, SWAP_AB, RNE_FIX, HEAVY_STAGES,
+                )
+            else:
+                _fp8_gemm1_tile(
+                    xq_ptr, xs_ptr, w_ptr, ws_ptr, actq_ptr, acts_ptr, acth_ptr, ticket_ptr, sorted_rows_ptr,
+                    e, m0, count_e, start_e, pid_n, H, I, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
+                    stride_sk, IN_DTYPE, TOPK, SCALE_BN, BLOCK_M, BLOCK_N, EVEN_K, EVEN_N, SWAP_AB, RNE_FIX,
+                )
+        else:
+            _fp8_gemm1_tile(
+                xq_ptr, xs_ptr, w_ptr, ws_ptr, actq_ptr, acts_ptr, acth_ptr, ticket_ptr, sorted_rows_ptr,
+                e, m0, count_e, start_e, pid_n, H, I, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+                IN_DTYPE, TOPK, SCALE_BN, BLOCK_M, BLOCK_N, EVEN_K, EVEN_N, SWAP_AB, RNE_FIX,
+            )
 
 
 @triton.jit
@@ -123,8 +145,10 @@ def _fp8_gemm1_tile(
     e, m0, count_e, start_e, pid_n, H, I, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     IN_DTYPE: tl.constexpr, TOPK: tl.constexpr, SCALE_BN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SWAP_AB: tl.constexpr, RNE_FIX: tl.constexpr,
+    STAGES: tl.constexpr = None,
 ):
-    """Column tile ``pid_n`` of GEMM1 for the rows ``m0``.. of expert ``e`` (``_fp8_gemm1_kernel``)."""
+    """Column tile ``pid_n`` of GEMM1 for the rows ``m0``.. of expert ``e`` (``_fp8_gemm1_kernel``).
+    ``STAGES``: the K loop's pipeline depth (None: the kernel's ``num_stages``)."""
     offs_m, row_ok, rows = tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
     tok = (rows // TOPK).to(tl.int64)
     offs_k = tl.arange(0, _GROUP)
@@ -139,7 +163,7 @@ def _fp8_gemm1_tile(
     w_ptrs = w_ptr + e64 * stride_we + w_row[None, :] * stride_wn + offs_k[:, None] * stride_wk
     ws_ptrs = ws_ptr + e64 * stride_se + (w_row // SCALE_BN) * stride_sn
     acc = acc_zeros(BLOCK_M, 2 * BLOCK_N, SWAP_AB)
-    for kb in range(0, tl.cdiv(H, _GROUP)):
+    for kb in tl.range(0, tl.cdiv(H, _GROUP), num_stages=STAGES):
         k_ok = offs_k < H - kb * _GROUP
         a = load_rows(a_ptrs, row_ok, k_ok, EVEN_K)
         b = load_cols(w_ptrs, nj_ok, k_ok, EVEN_K, EVEN_N)
@@ -189,33 +213,67 @@ def _fp8_gemm2_kernel(
     E_PAD: tl.constexpr, SCALE_BN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, GROUP_M: tl.constexpr,
     SWAP_AB: tl.constexpr, RNE_FIX: tl.constexpr, PDL: tl.constexpr, HALF_TAIL: tl.constexpr = False,
+    HEAVY_M: tl.constexpr = 0, HEAVY_STAGES: tl.constexpr = None,
 ):
     """``HALF_TAIL``: an expert's last tile, when half a tile holds its rows, runs ``BLOCK_M // 2``
-    rows (less padding; a row's bits do not depend on the tile's height), as bf16's GEMM2."""
+    rows (less padding; a row's bits do not depend on the tile's height), as bf16's GEMM2.
+    ``HEAVY_M`` / ``HEAVY_STAGES``: hot experts' tiles, as ``_fp8_gemm1_kernel``'s."""
     grid_dependency(PDL)
-    in_use, pid_n, e, m0, count_e, start_e = expert_tile(
-        tl.program_id(0), counts_ptr, num_local, num_m, H, BLOCK_N, E_PAD, BLOCK_M, GROUP_M
+    in_use, pid_n, e, m0, count_e, start_e, heavy = two_height_expert_tile(
+        tl.program_id(0), counts_ptr, num_local, num_m, H, BLOCK_N, E_PAD, BLOCK_M, GROUP_M,
+        HEAVY_M if HEAVY_M > 0 else BLOCK_M,
     )
     if in_use:
-        if HALF_TAIL:
-            if count_e - m0 <= BLOCK_M // 2:
+        # (nested: a constexpr and a tensor cannot share one condition)
+        if HEAVY_M > 0:
+            if heavy:
                 _fp8_gemm2_rows(
                     actq_ptr, acts_ptr, w_ptr, w_desc, ws_ptr, y_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e,
                     H, I, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-                    SCALE_BN, BLOCK_M // 2, BLOCK_N, EVEN_K, EVEN_N, USE_TMA, SWAP_AB, RNE_FIX,
+                    SCALE_BN, HEAVY_M, BLOCK_N, EVEN_K, EVEN_N, USE_TMA, SWAP_AB, RNE_FIX, HEAVY_STAGES,
                 )
             else:
-                _fp8_gemm2_rows(
+                _fp8_gemm2_block_rows(
                     actq_ptr, acts_ptr, w_ptr, w_desc, ws_ptr, y_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e,
                     H, I, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-                    SCALE_BN, BLOCK_M, BLOCK_N, EVEN_K, EVEN_N, USE_TMA, SWAP_AB, RNE_FIX,
+                    SCALE_BN, BLOCK_M, BLOCK_N, EVEN_K, EVEN_N, USE_TMA, SWAP_AB, RNE_FIX, HALF_TAIL,
                 )
+        else:
+            _fp8_gemm2_block_rows(
+                actq_ptr, acts_ptr, w_ptr, w_desc, ws_ptr, y_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e,
+                H, I, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+                SCALE_BN, BLOCK_M, BLOCK_N, EVEN_K, EVEN_N, USE_TMA, SWAP_AB, RNE_FIX, HALF_TAIL,
+            )
+
+
+@triton.jit
+def _fp8_gemm2_block_rows(
+    actq_ptr, acts_ptr, w_ptr, w_desc, ws_ptr, y_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
+    stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+    SCALE_BN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, SWAP_AB: tl.constexpr, RNE_FIX: tl.constexpr,
+    HALF_TAIL: tl.constexpr,
+):
+    """A ``BLOCK_M``-row tile, or with ``HALF_TAIL`` an expert's last tile at ``BLOCK_M // 2`` rows."""
+    if HALF_TAIL:
+        if count_e - m0 <= BLOCK_M // 2:
+            _fp8_gemm2_rows(
+                actq_ptr, acts_ptr, w_ptr, w_desc, ws_ptr, y_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e,
+                H, I, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+                SCALE_BN, BLOCK_M // 2, BLOCK_N, EVEN_K, EVEN_N, USE_TMA, SWAP_AB, RNE_FIX,
+            )
         else:
             _fp8_gemm2_rows(
                 actq_ptr, acts_ptr, w_ptr, w_desc, ws_ptr, y_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e,
                 H, I, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
                 SCALE_BN, BLOCK_M, BLOCK_N, EVEN_K, EVEN_N, USE_TMA, SWAP_AB, RNE_FIX,
             )
+    else:
+        _fp8_gemm2_rows(
+            actq_ptr, acts_ptr, w_ptr, w_desc, ws_ptr, y_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e,
+            H, I, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+            SCALE_BN, BLOCK_M, BLOCK_N, EVEN_K, EVEN_N, USE_TMA, SWAP_AB, RNE_FIX,
+        )
 
 
 @triton.jit
@@ -224,12 +282,13 @@ def _fp8_gemm2_rows(
     stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     SCALE_BN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr,
     EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, SWAP_AB: tl.constexpr, RNE_FIX: tl.constexpr,
+    STAGES: tl.constexpr = None,
 ):
     offs_m, row_ok, rows = tile_rows(sorted_rows_ptr, m0, count_e, start_e, BLOCK_M)
     acc, offs_n, n_ok = fp8_gemm2_tile(
         actq_ptr, acts_ptr, w_ptr, w_desc, ws_ptr, e, start_e, offs_m, row_ok, pid_n, H, I,
         stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-        SCALE_BN, BLOCK_M, BLOCK_N, EVEN_K, EVEN_N, USE_TMA, SWAP_AB,
+        SCALE_BN, BLOCK_M, BLOCK_N, EVEN_K, EVEN_N, USE_TMA, SWAP_AB, STAGES,
     )
     scatter_rows(acc, rows, row_ok, offs_n, n_ok, y_ptr, H, RNE_FIX)
 
@@ -380,6 +439,7 @@ def launch_fp8_gemm1(
         if tickets is None or tickets.dtype != torch.int32 or tickets.numel() < split_group_tickets(rows, inter):
             raise ValueError(f"split FP8 GEMM1 tiles (BLOCK_N 64 or 32) need {split_group_tickets(rows, inter)} "
                              "int32 tickets (split_group_tickets)")
+    check_heavy_m(g)
     num_m = max_row_tiles(rows, num_local, g["BLOCK_M"])
     _fp8_gemm1_kernel[(num_m * triton.cdiv(inter, bn),)](
         xq, xs, w13, w13_scale, act_q, act_s, act_q if act_h is None else act_h, counts if tickets is None else tickets,
@@ -414,8 +474,9 @@ def launch_fp8_gemm2(
     parameters (the expert-parallel push epilogue), ``extra_args`` / ``extra_constexprs`` its own."""
     num_local, hidden, inter = w2.shape
     g = gemm_config(config, act_q, interpret, GROUP_M=1, SWAP_AB=False)
-    if kernel is not None and g.pop("HALF_TAIL", False):
-        raise ValueError("the expert-parallel FP8 GEMM2 runs full tiles only (no HALF_TAIL)")
+    if kernel is not None and (g.pop("HALF_TAIL", False) or g.pop("HEAVY_M", 0)):
+        raise ValueError("the expert-parallel FP8 GEMM2 runs full tiles only (no HALF_TAIL or HEAVY_M)")
+    check_heavy_m(g)
     bn = g["BLOCK_N"]
     w2_desc = w2_operand(w2, g, GROUP)
     num_m = max_row_tiles(rows, num_local, g["BLOCK_M"])
@@ -470,6 +531,8 @@ def launch_fp8_decode_experts(
     g2 = gemm_config(configs[1], act_q, interpret, GROUP_M=1, SWAP_AB=False)
     bm, bn1, bn2 = g1["BLOCK_M"], g1.get("BLOCK_N", GROUP), g2["BLOCK_N"]
     swap = g1.get("SWAP_AB", False)
+    if g1.get("HEAVY_M", 0) or g2.get("HEAVY_M", 0):
+        raise ValueError(f"the one-launch FP8 decode kernel has tiles of one height (no HEAVY_M): {configs}")
     if not (swap == g2["SWAP_AB"] and bm == g2["BLOCK_M"] and g1["num_warps"] == g2["num_warps"]):
         raise ValueError(f"one-launch FP8 decode configs need tiles of one height, operand order and warp count: {configs}")
     if bn1 not in (GROUP, GROUP // 2, GROUP // 4):

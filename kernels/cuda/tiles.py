@@ -15,7 +15,8 @@ from .. import bad_ids
 __all__ = [
     "acc_zeros", "cast", "dot", "expert_ids", "expert_tile", "gemm1_tile", "gemm2_tile", "grid_dependency",
     "load_cols", "load_rows", "local_expert_ids", "mma", "moe_schedule_kernel", "now", "program_tile",
-    "report_bad_ids", "scatter_rows", "tile_of", "tile_rows", "two_height_tile_of", "wait_count", "zero_words",
+    "report_bad_ids", "scatter_rows", "tile_of", "tile_rows", "two_height_expert_tile", "two_height_tile_of", "wait_count",
+    "zero_words",
 ]
 
 
@@ -284,10 +285,21 @@ def expert_tile(pid, counts_ptr, num_local, num_m, N, BLOCK_N: tl.constexpr,
     GEMM over the scheduled rows (``N`` columns in tiles of ``BLOCK_N``): (tile in use, column
     tile, expert, first row inside the expert, rows of the expert, expert's first sorted
     position). Shared by every GEMM kernel in moe.py, moe_fp8.py and ep.py."""
+    in_use, pid_n, e, m0, count_e, start_e, _ = two_height_expert_tile(
+        pid, counts_ptr, num_local, num_m, N, BLOCK_N, E_PAD, BLOCK_M, GROUP_M, BLOCK_M
+    )
+    return in_use, pid_n, e, m0, count_e, start_e
+
+
+@triton.jit
+def two_height_expert_tile(pid, counts_ptr, num_local, num_m, N, BLOCK_N: tl.constexpr, E_PAD: tl.constexpr,
+                           BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, HEAVY_M: tl.constexpr):
+    """``expert_tile`` with ``two_height_tile_of``'s row tiles (an expert with more than ``BLOCK_M``
+    rows in tiles of ``HEAVY_M``), and whether the tile is a heavy one."""
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = program_tile(pid, num_m, num_n, GROUP_M)
-    total, e, m0, count_e, start_e = tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M)
-    return pid_m < total, pid_n, e, m0, count_e, start_e
+    total, e, m0, count_e, start_e, heavy = two_height_tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M, HEAVY_M)
+    return pid_m < total, pid_n, e, m0, count_e, start_e, heavy
 
 
 @triton.jit

@@ -3,7 +3,8 @@
 Compiled as a launch would specialize them (16-byte aligned pointers, ints divisible by 16 marked,
 unit strides constant) with the block sizes ``pick_configs_fp8`` chooses for DeepSeek-V3 in each
 regime (swapped 16- and 32-row tiles at 1 and 512 tokens, 64-row tiles at 1024, 128-row ones at
-4096; and the sweep's 64-row and half-tail GEMM2 tiles there; both GEMMs as one launch at 1 token), then
+4096; and the sweep's 64-row and half-tail GEMM2 tiles there; both GEMMs as one launch, and 64-row
+hot-expert tiles beside the 16-row ones, at 1 token), then
 ``ptxas -v`` reports registers and spills. Runs in a subprocess because the tests' conftest puts
 Triton into interpreter mode on CPU-only machines. The GPU machine's Triton (3.6) may compile
 differently from the one here; this catches type errors, spills and lost wgmma early.
@@ -18,10 +19,14 @@ BODY = r"""
 from mok_serve.kernels.cuda import moe_fp8 as tf
 
 H, I, E, K = 7168, 2048, 256, 8
+HEAVY = dict(HEAVY_M=64, HEAVY_STAGES=4)
 for tokens in (1, 512, 1024, 4096):
     g1, g2 = tf.pick_configs_fp8(tokens, K, E, H, I)
-    # As picked (at 1 token 64-column programs, two per activation group), there also with 128 and 32.
-    for suffix, bn in (("", g1.get("BLOCK_N", 128)),) + ((("_n128", 128), ("_n32", 32)) if tokens == 1 else ()):
+    # As picked (at 1 token 64-column programs, two per activation group), there also with 128 and 32,
+    # and with the sweep's hot-expert tiles (64 rows, 4 stages, beside the 16-row ones).
+    bn = g1.get("BLOCK_N", 128)
+    for suffix, bn, heavy in (("", bn, {}),) + (
+            (("_n128", 128, {}), ("_n32", 32, {}), ("_heavy64", bn, HEAVY)) if tokens == 1 else ()):
         build(f"gemm1{suffix}_T{tokens}", tf._fp8_gemm1_kernel,
               dict(xq_ptr=ptr("fp8e4nv"), xs_ptr=ptr("fp32"), w_ptr=ptr("fp8e4nv"), ws_ptr=ptr("fp32"),
                    actq_ptr=ptr("fp8e4nv"), acts_ptr=ptr("fp32"), acth_ptr=ptr("bf16"), ticket_ptr=ptr("i32"),
@@ -30,12 +35,13 @@ for tokens in (1, 512, 1024, 4096):
                    stride_se=32 * 56, stride_sn=56, stride_sk=1),
               dict(IN_DTYPE=tl.bfloat16, TOPK=K, E_PAD=E, SCALE_BN=128, BLOCK_M=g1["BLOCK_M"], BLOCK_N=bn,
                    EVEN_K=True, EVEN_N=True, GROUP_M=g1["GROUP_M"], SWAP_AB=g1.get("SWAP_AB", False), RNE_FIX=False,
-                   PDL=True),
+                   PDL=True, **{"HEAVY_M": 0, "HEAVY_STAGES": None, **heavy}),
               g1["num_warps"], g1["num_stages"])
     # As picked; at 4096 tokens also the sweep's 64-row, 4-warp GEMM2 tile (vLLM's block-FP8 tile)
     # and half-height last tiles.
-    more = (("_m64", dict(g2, BLOCK_M=64, num_warps=4, num_stages=4)), ("_half", dict(g2, HALF_TAIL=True)))
-    for suffix, c2 in (("", g2),) + (more if tokens == 4096 else ()):
+    more = {4096: (("_m64", dict(g2, BLOCK_M=64, num_warps=4, num_stages=4)), ("_half", dict(g2, HALF_TAIL=True))),
+            1: (("_heavy64", dict(g2, **HEAVY)),)}
+    for suffix, c2 in (("", g2),) + more.get(tokens, ()):
         build(f"gemm2{suffix}_T{tokens}", tf._fp8_gemm2_kernel,
               dict(actq_ptr=ptr("fp8e4nv"), acts_ptr=ptr("fp32"), w_ptr=ptr("fp8e4nv"), ws_ptr=ptr("fp32"),
                    w_desc=f"tensordesc<fp8e4nv[{c2['BLOCK_N']}, 128]>", y_ptr=ptr("bf16"),
@@ -44,7 +50,8 @@ for tokens in (1, 512, 1024, 4096):
                    stride_se=56 * 16, stride_sn=16, stride_sk=1),
               dict(E_PAD=E, SCALE_BN=128, BLOCK_M=c2["BLOCK_M"], BLOCK_N=c2["BLOCK_N"], EVEN_K=True, EVEN_N=True,
                    USE_TMA=True, GROUP_M=c2["GROUP_M"], SWAP_AB=c2.get("SWAP_AB", False), RNE_FIX=False, PDL=True,
-                   HALF_TAIL=c2.get("HALF_TAIL", False)),
+                   HALF_TAIL=c2.get("HALF_TAIL", False), HEAVY_M=c2.get("HEAVY_M", 0),
+                   HEAVY_STAGES=c2.get("HEAVY_STAGES")),
               c2["num_warps"], c2["num_stages"])
 # Both GEMMs in one launch (the sweep's "one launch" at 1 token: GEMM1 in 64-column programs).
 g1, g2 = tf.pick_configs_fp8(1, K, E, H, I)

@@ -127,6 +127,47 @@ def test_split_gemm1_column_tiles_give_the_same_bits():
             assert torch.equal(out, expect), family
 
 
+def test_hot_expert_heavy_tiles_give_the_same_bits():
+    """The sweep's hot-expert tiles (an expert with more than 16 rows in 64-row tiles, GROUP_M 1 and
+    4) beside the 16-row decode tiles: the same bits as one tile height with every token on the
+    same experts, skewed and uniform routing, and under CUDA-graph replay with new routing."""
+    g = torch.Generator(device=DEV).manual_seed(fresh_seed())
+    for family in ("DeepSeek-V3", "Qwen3-30B-A3B"):
+        fp8 = weights_for(family)
+        E, H, I = fp8[0].shape[0], fp8[0].shape[2], fp8[1].shape[2]
+        for tokens in (8, 64, 150):
+            g1, g2 = pick_configs_fp8(tokens, 8, E, H, I)
+            assert g1["BLOCK_M"] == 16, (family, tokens)
+            for kind in ("hot", "skewed", "uniform"):
+                x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16, generator=g)
+                tw, ids = routing(tokens, E, 8, skewed=kind == "skewed", gen=g)
+                if kind == "hot":
+                    ids[:] = ids[0]
+                base = poisoned_call(fused_moe_fp8_triton, x, *fp8, tw, ids, configs=(g1, g2))
+                for stages, group in ((2, 1), (4, 1), (4, 4)):
+                    heavy = tuple(dict(c, HEAVY_M=64, HEAVY_STAGES=stages, GROUP_M=group) for c in (g1, g2))
+                    out = poisoned_call(fused_moe_fp8_triton, x, *fp8, tw, ids, configs=heavy)
+                    assert torch.equal(out, base), (family, tokens, kind, stages, group)
+        x = torch.randn(64, H, device=DEV, dtype=torch.bfloat16, generator=g)
+        tw, ids = routing(64, E, 8, gen=g)
+        g1, g2 = pick_configs_fp8(64, 8, E, H, I)
+        heavy = tuple(dict(c, HEAVY_M=64, HEAVY_STAGES=4) for c in (g1, g2))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fused_moe_fp8_triton(x, *fp8, tw, ids, configs=heavy)
+        for hot in (True, False, True):  # the tile heights follow each replay's counts
+            new_tw, new_ids = routing(64, E, 8, gen=g)
+            if hot:
+                new_ids[:] = new_ids[0]
+            tw.copy_(new_tw)
+            ids.copy_(new_ids)
+            expect = fused_moe_fp8_triton(x, *fp8, tw, ids, configs=(g1, g2))
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, expect), (family, hot)
+
+
 def test_one_launch_decode_gives_the_two_launches_bits():
     # GEMM2 items wait inside the launch for their row tile's GEMM1 items (split and whole column
     # tiles), under CUDA-graph replay too: the same bits as two launches.

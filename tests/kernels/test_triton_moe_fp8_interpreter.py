@@ -166,6 +166,52 @@ def test_gemm2_half_tail_gives_the_same_bits():
 
 
 @pytest.mark.parametrize(
+    "g1,g2",
+    [
+        # swapped 16-row tiles, 64-row heavy ones; GEMM1 in 64-column programs (two a group)
+        (dict(BLOCK_M=16, SWAP_AB=True, BLOCK_N=64), dict(BLOCK_M=16, BLOCK_N=64, SWAP_AB=True)),
+        # 32-row heavy tiles, grouped program order, GEMM1 whole groups
+        (dict(BLOCK_M=16, SWAP_AB=True, GROUP_M=4), dict(BLOCK_M=16, BLOCK_N=64, SWAP_AB=True, GROUP_M=4)),
+        # unswapped 64-row tiles, 128-row heavy ones; GEMM2 half tails beside them
+        (dict(BLOCK_M=64), dict(BLOCK_M=64, BLOCK_N=64, HALF_TAIL=True)),
+    ],
+)
+def test_hot_experts_heavy_tiles_give_the_same_bits(g1, g2):
+    # HEAVY_M: an expert with more than BLOCK_M rows runs HEAVY_M-row tiles (chosen from the counts
+    # on the device), the others BLOCK_M-row ones. Expert 0 holds every token's first slot (100
+    # rows: heavy tiles and a short last one), expert 1 BLOCK_M + 1 rows, expert 2 exactly BLOCK_M,
+    # expert 3 the rest. The same bits as one height.
+    bm = g1["BLOCK_M"]
+    heavy = 32 if g1.get("GROUP_M") == 4 else 4 * bm if bm == 16 else 2 * bm
+    x, fp8, weights, ids = make(100, 128, 128, 4, 2, seed=31)
+    ids[:, 0] = 0
+    ids[: bm + 1, 1], ids[bm + 1 : 2 * bm + 1, 1], ids[2 * bm + 1 :, 1] = 1, 2, 3
+    base = ({**g1, "num_warps": 4, "num_stages": 2}, {**g2, "num_warps": 4, "num_stages": 2})
+    hot = tuple(dict(c, HEAVY_M=heavy, HEAVY_STAGES=3) for c in base)
+    # (heavy first: a later call's output buffer may reuse an earlier one's memory, stale rows in it)
+    heavy_out = tf.fused_moe_fp8_triton(x, *fp8, weights, ids, configs=hot)
+    assert rel_err(heavy_out, fused_moe_fp8_reference(x, *fp8, weights, ids)) <= 1e-3
+    assert torch.equal(heavy_out, tf.fused_moe_fp8_triton(x, *fp8, weights, ids, configs=base))
+    # Heavy tiles in one GEMM only: rows keep their sorted positions, so the GEMMs need not agree.
+    assert torch.equal(tf.fused_moe_fp8_triton(x, *fp8, weights, ids, configs=(hot[0], base[1])), heavy_out)
+
+
+def test_heavy_tiles_are_refused_where_they_cannot_run():
+    x, (w13, w2, s13, s2), weights, ids = make(4, 128, 128, 2, 1)
+    g1, g2 = dict(BLOCK_M=16, SWAP_AB=True, num_warps=4, num_stages=2), dict(BLOCK_M=16, BLOCK_N=64, SWAP_AB=True)
+    for bad in (24, 16, 8):  # not a multiple of BLOCK_M, or not above it
+        with pytest.raises(ValueError, match="HEAVY_M must be a multiple of BLOCK_M above it"):
+            tf.fused_moe_fp8_triton(x, w13, w2, s13, s2, weights, ids, configs=(dict(g1, HEAVY_M=bad), g2))
+    with pytest.raises(ValueError, match="one height"):
+        tf.fused_moe_fp8_triton(x, w13, w2, s13, s2, weights, ids, configs=(dict(g1, ONE_LAUNCH=True, HEAVY_M=64), g2))
+    act_q = torch.zeros(4, 128, dtype=w2.dtype)
+    with pytest.raises(ValueError, match="full tiles only"):
+        tf.launch_fp8_gemm2(act_q, torch.ones(4, 1), w2, s2, x, torch.zeros(4, dtype=torch.int32),
+                            torch.zeros(2, dtype=torch.int32), 4, dict(g2, HEAVY_M=64),
+                            scale_bn=128, interpret=True, kernel=tf._fp8_gemm2_kernel)
+
+
+@pytest.mark.parametrize(
     "tokens,inter,g1",
     [
         (40, 256, dict(BLOCK_M=16, SWAP_AB=True, BLOCK_N=64)),  # split GEMM1: the last of a group quantizes it

@@ -73,6 +73,23 @@ def test_fp8_sweep_offers_both_gemm1_column_tiles_at_decode_only():
     assert "g2 m64 s3" not in dict.fromkeys(label for label, _, _ in sweep_variants_fp8(1024, 8, 256, 7168, 2048))
 
 
+def test_fp8_sweep_offers_hot_expert_variants():
+    from mok_serve.kernels.cuda.launch import check_heavy_m
+    from mok_serve.loadtest.bench.layer import sweep_variants_fp8
+
+    decode = {label: (g1, g2) for label, g1, g2 in sweep_variants_fp8(256, 8, 256, 7168, 2048)}  # 8 rows per expert
+    heavy = [label for label in decode if label.startswith("heavy64")]
+    assert heavy == ["heavy64 s2", "heavy64 s4", "heavy64 s4 group4"]
+    for label in heavy:
+        for g, default in zip(decode[label], decode["default"]):
+            assert g["HEAVY_M"] == 64 and g["BLOCK_M"] == default["BLOCK_M"] == 16
+            check_heavy_m(g)
+    assert decode["heavy64 s4 group4"][1]["GROUP_M"] == 4 and decode["heavy64 s2"][0]["HEAVY_STAGES"] == 2
+    assert not any(label.startswith("heavy") for label, _, _ in sweep_variants_fp8(512, 8, 256, 7168, 2048))
+    streaming = {label: (g1, g2) for label, g1, g2 in sweep_variants_fp8(1024, 8, 256, 7168, 2048)}  # 32 rows
+    assert [streaming[f"group{g}"][i]["GROUP_M"] for g in (4, 8) for i in (0, 1)] == [4, 4, 8, 8]
+
+
 def test_host_profile_rows_rank_functions_per_profiled_call():
     import cProfile
     import pstats
