@@ -3,6 +3,7 @@
 #   bash loadtest/h200_check.sh tests OUT                 # pytest -m gpu: bf16, FP8 and timing kernels, then EP
 #   bash loadtest/h200_check.sh layer OUT [ARGS...]      # layer benchmark, bf16, against vLLM's fused_experts
 #   bash loadtest/h200_check.sh layer-fp8 OUT [ARGS...]  # the same with block-FP8 experts
+#   bash loadtest/h200_check.sh sweep OUT [ARGS...]      # the bf16 kernels' variants against the default
 #   bash loadtest/h200_check.sh sweep-fp8 OUT [ARGS...]  # the FP8 kernels' unmeasured variants against the default
 #   bash loadtest/h200_check.sh linear-tests OUT         # pytest -m gpu: the batch-invariant GEMM, attention, RMSNorm, warm-up
 #   bash loadtest/h200_check.sh deterministic-serving OUT  # pytest -m gpu: the --deterministic servers' probe (vLLM)
@@ -18,7 +19,7 @@
 # Set MOK_COMMIT where the tree has no .git.
 set -uo pipefail
 what=${1:-} out=${2:-}
-[[ -n $out ]] || { echo "usage: $0 tests|layer|layer-fp8|sweep-fp8 OUT [ARGS...]" >&2; exit 2; }
+[[ -n $out ]] || { echo "usage: $0 tests|layer|layer-fp8|sweep|sweep-fp8|... OUT [ARGS...]" >&2; exit 2; }
 shift 2
 commit=${MOK_COMMIT:-$(git rev-parse --short HEAD)}
 mkdir -p "$out"
@@ -46,6 +47,9 @@ case $what in
   layer-fp8)
     step "h200_check_layer_fp8_$commit.log" 570 mok-loadtest layer --fp8 --out "$out" --name "layer_bench_fp8_$commit" \
       --no-history "$@" ;;
+  sweep)  # the bf16 kernels' variants against the default (--sweep-points, --sweep-labels: which)
+    step "h200_check_sweep_$commit.log" 570 mok-loadtest layer --sweep --sweep-repeats 3 --out "$out" \
+      --name "sweep_$commit" --no-history "$@" ;;
   sweep-fp8)  # decode points (split, 32-column and one-launch GEMM1) and prefill ones (64-row, half-tail GEMM2)
     step "h200_check_sweep_fp8_$commit.log" 570 mok-loadtest layer --sweep --fp8 --sweep-repeats 3 --out "$out" \
       --name "sweep_fp8_$commit" --no-history --sweep-points Qwen3-30B-A3B:1 Qwen3-30B-A3B:8 Qwen3-30B-A3B:32 \
@@ -77,5 +81,5 @@ case $what in
     mok-serve build-model --shape "$1" --out "$model" >/dev/null
     step "step_profile_$commit.log" 400 mok-loadtest step-profile "$model" --moe-backend "$2" "${@:3}" \
       --attention-backend TRITON_ATTN --out "$out" ;;
-  *) echo "usage: $0 tests|layer|layer-fp8|sweep-fp8|linear-tests|deterministic-serving|linear|linear-fp8|sweep-linear|attention|step-profile OUT [ARGS...]" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|layer|layer-fp8|sweep|sweep-fp8|linear-tests|deterministic-serving|linear|linear-fp8|sweep-linear|attention|step-profile OUT [ARGS...]" >&2; exit 2 ;;
 esac

@@ -208,6 +208,47 @@ def check_graph_replay(op, experts):
             assert torch.equal(out, op(x, *experts, tw, ids)), (tokens, skewed)
 
 
+def check_heavy_tiles_give_the_same_bits(op, experts, token_counts, pick, heavy_variants):
+    """Hot-expert tiles: ``op`` (``fused_moe_triton`` or ``fused_moe_fp8_triton``) with each of
+    ``heavy_variants`` (keys added to both GEMM configs, ``HEAVY_M`` among them) gives the bits of
+    ``pick(tokens)``'s configs, with every token on the same experts, skewed and uniform routing;
+    and a CUDA graph captured with the first variant at the first count follows each replay's
+    counts (hot, uniform, hot)."""
+    E, H, _ = _sizes(experts)
+    g = torch.Generator(device=DEV).manual_seed(fresh_seed())
+
+    def inputs(tokens, kind):
+        x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16, generator=g)
+        tw, ids = routing(tokens, E, 8, skewed=kind == "skewed", gen=g)
+        if kind == "hot":
+            ids[:] = ids[0]
+        return x, tw, ids
+
+    for tokens in token_counts:
+        configs = pick(tokens)
+        for kind in ("hot", "skewed", "uniform"):
+            x, tw, ids = inputs(tokens, kind)
+            base = poisoned_call(op, x, *experts, tw, ids, configs=configs)
+            for extra in heavy_variants:
+                heavy = tuple(dict(c, **extra) for c in configs)
+                assert torch.equal(poisoned_call(op, x, *experts, tw, ids, configs=heavy), base), (tokens, kind, extra)
+    tokens, configs = token_counts[0], pick(token_counts[0])
+    heavy = tuple(dict(c, **heavy_variants[0]) for c in configs)
+    x, tw, ids = inputs(tokens, "uniform")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = op(x, *experts, tw, ids, configs=heavy)
+    for kind in ("hot", "uniform", "hot"):
+        new = inputs(tokens, kind)
+        for old, fresh in zip((x, tw, ids), new):
+            old.copy_(fresh)
+        expect = op(x, *experts, tw, ids, configs=configs)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expect), kind
+
+
 def check_nan_stays_in_its_token(op, experts):
     """A NaN in token 2's input makes all of token 2's output NaN and no other token's."""
     E, H, _ = _sizes(experts)

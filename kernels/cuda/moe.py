@@ -67,7 +67,6 @@ from .launch import (
 )
 from .tiles import (
     cast,
-    expert_tile,
     gemm1_tile,
     gemm2_tile,
     grid_dependency,
@@ -77,6 +76,7 @@ from .tiles import (
     scatter_rows,
     tile_of,
     tile_rows,
+    two_height_expert_tile,
     two_height_tile_of,
     wait_count,
     zero_words,
@@ -102,34 +102,88 @@ def _moe_gemm1_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
     USE_TMA: tl.constexpr, GROUP_M: tl.constexpr, HALF_TAIL: tl.constexpr, SWAP_AB: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, HEAVY_M: tl.constexpr = 0, HEAVY_STAGES: tl.constexpr = None,
 ):
+    """``HEAVY_M`` (0: off): an expert with more than ``BLOCK_M`` rows (a hot expert) runs in tiles
+    of ``HEAVY_M`` rows with ``HEAVY_STAGES``-deep pipelines (``two_height_tile_of``, from the counts
+    on the device), so it reads each weight tile once per ``HEAVY_M`` rows; the bits do not change."""
     grid_dependency(PDL)
-    in_use, pid_n, e, m0, count_e, start_e = expert_tile(
-        tl.program_id(0), counts_ptr, num_local, num_m, I, BLOCK_N, E_PAD, BLOCK_M, GROUP_M
+    in_use, pid_n, e, m0, count_e, start_e, heavy = two_height_expert_tile(
+        tl.program_id(0), counts_ptr, num_local, num_m, I, BLOCK_N, E_PAD, BLOCK_M, GROUP_M,
+        HEAVY_M if HEAVY_M > 0 else BLOCK_M,
     )
     if in_use:
-        # HALF_TAIL: an expert's last tile, when half a tile holds its rows, runs as a tile of
-        # BLOCK_M // 2 rows (less padding; a row's result does not depend on the tile's height).
-        if HALF_TAIL:
-            if count_e - m0 <= BLOCK_M // 2:
-                _gemm1_rows(
-                    x_ptr, w_ptr, w_desc, act_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
-                    stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
-                    TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB,
-                )
-            else:
-                _gemm1_rows(
-                    x_ptr, w_ptr, w_desc, act_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
-                    stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
-                    TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB,
-                )
+        _gemm1_tile_rows(
+            x_ptr, w_ptr, w_desc, act_ptr, sorted_rows_ptr, heavy, m0, count_e, start_e, pid_n, e, H, I,
+            stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
+            TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB,
+            None, HALF_TAIL, HEAVY_M, HEAVY_STAGES,
+        )
+
+
+@triton.jit
+def _gemm1_tile_rows(
+    x_ptr, w_ptr, w_desc, act_ptr, sorted_rows_ptr, heavy, m0, count_e, start_e, pid_n, e, H, I,
+    stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
+    TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
+    USE_TMA: tl.constexpr, SWAP_AB: tl.constexpr, STAGES: tl.constexpr, HALF_TAIL: tl.constexpr,
+    HEAVY_M: tl.constexpr, HEAVY_STAGES: tl.constexpr,
+):
+    """GEMM1 for the rows ``m0``.. of expert ``e``: ``HEAVY_M`` of them in a ``heavy`` tile
+    (``HEAVY_M`` > 0; ``HEAVY_STAGES``-deep pipeline), else ``BLOCK_M`` (``STAGES``; None: the
+    kernel's ``num_stages``), or with ``HALF_TAIL`` an expert's last tile at ``BLOCK_M // 2`` rows
+    where they hold what is left. A row's result does not depend on its tile's height."""
+    # (nested: a constexpr and a tensor cannot share one condition)
+    if HEAVY_M > 0:
+        if heavy:
+            _gemm1_rows(
+                x_ptr, w_ptr, w_desc, act_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
+                stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
+                TOPK, HEAVY_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB, HEAVY_STAGES,
+            )
+        else:
+            _gemm1_block_rows(
+                x_ptr, w_ptr, w_desc, act_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
+                stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
+                TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB, STAGES, HALF_TAIL,
+            )
+    else:
+        _gemm1_block_rows(
+            x_ptr, w_ptr, w_desc, act_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
+            stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
+            TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB, STAGES, HALF_TAIL,
+        )
+
+
+@triton.jit
+def _gemm1_block_rows(
+    x_ptr, w_ptr, w_desc, act_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
+    stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
+    TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
+    USE_TMA: tl.constexpr, SWAP_AB: tl.constexpr, STAGES: tl.constexpr, HALF_TAIL: tl.constexpr,
+):
+    """A ``BLOCK_M``-row GEMM1 tile, or with ``HALF_TAIL`` an expert's last at ``BLOCK_M // 2``."""
+    if HALF_TAIL:
+        if count_e - m0 <= BLOCK_M // 2:
+            _gemm1_rows(
+                x_ptr, w_ptr, w_desc, act_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
+                stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
+                TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB, STAGES,
+            )
         else:
             _gemm1_rows(
                 x_ptr, w_ptr, w_desc, act_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
                 stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
-                TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB,
+                TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB, STAGES,
             )
+    else:
+        _gemm1_rows(
+            x_ptr, w_ptr, w_desc, act_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
+            stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
+            TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB, STAGES,
+        )
 
 
 @triton.jit
@@ -157,32 +211,82 @@ def _moe_gemm2_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
     USE_TMA: tl.constexpr, GROUP_M: tl.constexpr, HALF_TAIL: tl.constexpr, SWAP_AB: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, HEAVY_M: tl.constexpr = 0, HEAVY_STAGES: tl.constexpr = None,
 ):
+    """``HEAVY_M`` / ``HEAVY_STAGES``: hot experts' tiles, as ``_moe_gemm1_kernel``'s."""
     grid_dependency(PDL)
-    in_use, pid_n, e, m0, count_e, start_e = expert_tile(
-        tl.program_id(0), counts_ptr, num_local, num_m, H, BLOCK_N, E_PAD, BLOCK_M, GROUP_M
+    in_use, pid_n, e, m0, count_e, start_e, heavy = two_height_expert_tile(
+        tl.program_id(0), counts_ptr, num_local, num_m, H, BLOCK_N, E_PAD, BLOCK_M, GROUP_M,
+        HEAVY_M if HEAVY_M > 0 else BLOCK_M,
     )
     if in_use:
-        if HALF_TAIL:  # as in _moe_gemm1_kernel
-            if count_e - m0 <= BLOCK_M // 2:
-                _gemm2_rows(
-                    act_ptr, w_ptr, w_desc, y_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
-                    stride_we, stride_wn, stride_wk,
-                    BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB,
-                )
-            else:
-                _gemm2_rows(
-                    act_ptr, w_ptr, w_desc, y_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
-                    stride_we, stride_wn, stride_wk,
-                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB,
-                )
+        _gemm2_tile_rows(
+            act_ptr, w_ptr, w_desc, y_ptr, sorted_rows_ptr, heavy, m0, count_e, start_e, pid_n, e, H, I,
+            stride_we, stride_wn, stride_wk,
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB,
+            None, HALF_TAIL, HEAVY_M, HEAVY_STAGES,
+        )
+
+
+@triton.jit
+def _gemm2_tile_rows(
+    act_ptr, w_ptr, w_desc, y_ptr, sorted_rows_ptr, heavy, m0, count_e, start_e, pid_n, e, H, I,
+    stride_we, stride_wn, stride_wk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
+    USE_TMA: tl.constexpr, SWAP_AB: tl.constexpr, STAGES: tl.constexpr, HALF_TAIL: tl.constexpr,
+    HEAVY_M: tl.constexpr, HEAVY_STAGES: tl.constexpr,
+):
+    """GEMM2 for the rows ``m0``.. of expert ``e``, with ``_gemm1_tile_rows``' tile heights."""
+    if HEAVY_M > 0:
+        if heavy:
+            _gemm2_rows(
+                act_ptr, w_ptr, w_desc, y_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
+                stride_we, stride_wn, stride_wk,
+                HEAVY_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB, HEAVY_STAGES,
+            )
+        else:
+            _gemm2_block_rows(
+                act_ptr, w_ptr, w_desc, y_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
+                stride_we, stride_wn, stride_wk,
+                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB, STAGES, HALF_TAIL,
+            )
+    else:
+        _gemm2_block_rows(
+            act_ptr, w_ptr, w_desc, y_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
+            stride_we, stride_wn, stride_wk,
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB, STAGES, HALF_TAIL,
+        )
+
+
+@triton.jit
+def _gemm2_block_rows(
+    act_ptr, w_ptr, w_desc, y_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
+    stride_we, stride_wn, stride_wk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr,
+    USE_TMA: tl.constexpr, SWAP_AB: tl.constexpr, STAGES: tl.constexpr, HALF_TAIL: tl.constexpr,
+):
+    """A ``BLOCK_M``-row GEMM2 tile, with ``_gemm1_block_rows``' half tails."""
+    if HALF_TAIL:
+        if count_e - m0 <= BLOCK_M // 2:
+            _gemm2_rows(
+                act_ptr, w_ptr, w_desc, y_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
+                stride_we, stride_wn, stride_wk,
+                BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB, STAGES,
+            )
         else:
             _gemm2_rows(
                 act_ptr, w_ptr, w_desc, y_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
                 stride_we, stride_wn, stride_wk,
-                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB,
+                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB, STAGES,
             )
+    else:
+        _gemm2_rows(
+            act_ptr, w_ptr, w_desc, y_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
+            stride_we, stride_wn, stride_wk,
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB, STAGES,
+        )
 
 
 @triton.jit
@@ -270,25 +374,12 @@ def _moe_decode_experts_kernel(
         pid_m, pid_n = program_tile(item, num_m, num_n1, GROUP_M1)
         total, e, m0, count_e, start_e, heavy = _decode_tile(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M, HEAVY_M)
         if pid_m < total:
-            if HEAVY_M > 0:
-                if heavy:
-                    _gemm1_rows(
-                        x_ptr, w13_ptr, w13_desc, act_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
-                        stride_xt, stride_xh, stride_w13e, stride_w13n, stride_w13k, TOPK, HEAVY_M, BLOCK_N1,
-                        BLOCK_K1, EVEN_K1, EVEN_N1, DOT_IEEE, DOT_F32, USE_TMA1, SWAP_AB, HEAVY_STAGES1,
-                    )
-                else:
-                    _gemm1_rows(
-                        x_ptr, w13_ptr, w13_desc, act_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
-                        stride_xt, stride_xh, stride_w13e, stride_w13n, stride_w13k, TOPK, BLOCK_M, BLOCK_N1,
-                        BLOCK_K1, EVEN_K1, EVEN_N1, DOT_IEEE, DOT_F32, USE_TMA1, SWAP_AB, STAGES1,
-                    )
-            else:
-                _gemm1_rows(
-                    x_ptr, w13_ptr, w13_desc, act_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
-                    stride_xt, stride_xh, stride_w13e, stride_w13n, stride_w13k,
-                    TOPK, BLOCK_M, BLOCK_N1, BLOCK_K1, EVEN_K1, EVEN_N1, DOT_IEEE, DOT_F32, USE_TMA1, SWAP_AB, STAGES1,
-                )
+            _gemm1_tile_rows(
+                x_ptr, w13_ptr, w13_desc, act_ptr, sorted_rows_ptr, heavy, m0, count_e, start_e, pid_n, e, H, I,
+                stride_xt, stride_xh, stride_w13e, stride_w13n, stride_w13k,
+                TOPK, BLOCK_M, BLOCK_N1, BLOCK_K1, EVEN_K1, EVEN_N1, DOT_IEEE, DOT_F32, USE_TMA1, SWAP_AB,
+                STAGES1, False, HEAVY_M, HEAVY_STAGES1,
+            )
             tl.debug_barrier()
             tl.atomic_add(sync_ptr + _SYNC_TILES + pid_m, 1, sem="release", scope="gpu")
             if TIMELINE:
@@ -364,24 +455,12 @@ def _decode_gemm2_item(
             for piece in range(pieces):
                 offs_m, row_ok, rows = tile_rows(sorted_rows_ptr, m0 + piece * BLOCK_M, count_e, start_e, BLOCK_M)
                 scatter_rows(nan, rows, row_ok, offs_n, offs_n < H, y_ptr, H, DOT_F32)
-        elif HEAVY_M > 0:
-            if heavy:
-                _gemm2_rows(
-                    act_ptr, w2_ptr, w2_desc, y_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
-                    stride_w2e, stride_w2n, stride_w2k,
-                    HEAVY_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB, HEAVY_STAGES,
-                )
-            else:
-                _gemm2_rows(
-                    act_ptr, w2_ptr, w2_desc, y_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
-                    stride_w2e, stride_w2n, stride_w2k,
-                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB, STAGES,
-                )
         else:
-            _gemm2_rows(
-                act_ptr, w2_ptr, w2_desc, y_ptr, sorted_rows_ptr, m0, count_e, start_e, pid_n, e, H, I,
+            _gemm2_tile_rows(
+                act_ptr, w2_ptr, w2_desc, y_ptr, sorted_rows_ptr, heavy, m0, count_e, start_e, pid_n, e, H, I,
                 stride_w2e, stride_w2n, stride_w2k,
-                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB, STAGES,
+                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_IEEE, DOT_F32, USE_TMA, SWAP_AB,
+                STAGES, False, HEAVY_M, HEAVY_STAGES,
             )
         if TIMELINE:
             _timeline_record(timeline_ptr, item, t_start, t_ready, tl.minimum(BLOCK_N, H - pid_n * BLOCK_N))
@@ -497,8 +576,10 @@ def launch_gemm1(
     inter = two_i // 2
     _check_two_launch_config(config)
     g = gemm_config(config, act, interpret, GROUP_M=1, HALF_TAIL=False, SWAP_AB=False)
-    if kernel is not None:
-        g.pop("HALF_TAIL")  # the expert-parallel kernels always run full tiles
+    check_heavy_m(g)
+    if kernel is not None:  # the expert-parallel kernels always run full tiles of one height
+        for key in ("HALF_TAIL", "HEAVY_M", "HEAVY_STAGES"):
+            g.pop(key, None)
     bm, bn = g["BLOCK_M"], g["BLOCK_N"]
     w13_desc = w13_operand(w13, g)
     num_m = max_row_tiles(rows, num_local, bm)
@@ -534,8 +615,10 @@ def launch_gemm2(
     num_local, hidden, inter = w2.shape
     _check_two_launch_config(config)
     g = gemm_config(config, act, interpret, GROUP_M=1, HALF_TAIL=False, SWAP_AB=False)
-    if kernel is not None:
-        g.pop("HALF_TAIL")  # the expert-parallel kernels always run full tiles
+    check_heavy_m(g)
+    if kernel is not None:  # the expert-parallel kernels always run full tiles of one height
+        for key in ("HALF_TAIL", "HEAVY_M", "HEAVY_STAGES"):
+            g.pop(key, None)
     bm, bn = g["BLOCK_M"], g["BLOCK_N"]
     w2_desc = w2_operand(w2, g, g["BLOCK_K"])
     num_m = max_row_tiles(rows, num_local, bm)
@@ -556,7 +639,7 @@ DECODE_MAX_POLLS = 1 << 22
 
 
 # Config keys of the one-launch decode kernel alone (``launch_decode_experts``).
-_ONE_LAUNCH_KEYS = frozenset({"ONE_LAUNCH", "NARROW_TAIL", "HEAVY_M", "HEAVY_STAGES"})
+_ONE_LAUNCH_KEYS = frozenset({"ONE_LAUNCH", "NARROW_TAIL"})
 
 
 def _check_two_launch_config(config: dict) -> None:

@@ -330,6 +330,10 @@ def sweep_variants(tokens, top_k, E, H, I):
             # of an expert's weights where its rows are many more than the average (--routing
             # concentrated).
             ("m128 tiles", *pick_configs(-(-96 * E // top_k), top_k, E, H, I)),
+            # The same for hot experts only: an expert with more than 64 rows in 128-row tiles
+            # (HEAVY_M, chosen on the device from the counts), the others in 64-row ones.
+            *[(f"heavy128 s{st}", v(d1, HEAVY_M=128, HEAVY_STAGES=st), v(d2, HEAVY_M=128, HEAVY_STAGES=st))
+              for st in (2, 3)],
             # Operands swapped with 16-row token tiles, as at decode (18-44% slower at 16-32 rows
             # per expert in the sweep at 5767485).
             ("swapped", v(d1, BLOCK_M=16, SWAP_AB=True, BLOCK_K=128, num_stages=6, BLOCK_N=max(32, bn1)),

@@ -18,24 +18,29 @@ from mok_serve.kernels.cuda import moe as tm
 def common(g):
     keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "USE_TMA")
     return dict({k: g[k] for k in keys}, GROUP_M=g.get("GROUP_M", 1), HALF_TAIL=g.get("HALF_TAIL", False),
-                SWAP_AB=g.get("SWAP_AB", False), DOT_IEEE=False, DOT_F32=False, EVEN_K=True, EVEN_N=True, PDL=True)
+                SWAP_AB=g.get("SWAP_AB", False), DOT_IEEE=False, DOT_F32=False, EVEN_K=True, EVEN_N=True, PDL=True,
+                HEAVY_M=g.get("HEAVY_M", 0), HEAVY_STAGES=g.get("HEAVY_STAGES"))
 
 # (name, hidden, inter, experts, top_k): DeepSeek-V3 and Qwen3-30B-A3B, whose column tiles differ at decode.
 for shape, H, I, E, K in (("ds", 7168, 2048, 256, 8), ("qwen30", 2048, 768, 128, 8)):
-    for tokens in (1, 2, 128, 512, 8192):
+    for tokens, hot in ((1, ""), (2, ""), (128, ""), (512, ""), (512, "_heavy128"), (8192, "")):
         g1, g2 = tm.pick_configs(tokens, K, E, H, I)
+        if hot:  # the sweep's hot-expert tiles beside the 64-row ones
+            g1, g2 = (dict(g, HEAVY_M=128, HEAVY_STAGES=3) for g in (g1, g2))
         bn1, bk1, bn2, bk2 = g1["BLOCK_N"], g1["BLOCK_K"], g2["BLOCK_N"], g2["BLOCK_K"]
-        build(f"{shape}_gemm1_T{tokens}", tm._moe_gemm1_kernel,
+        build(f"{shape}_gemm1{hot}_T{tokens}", tm._moe_gemm1_kernel,
               dict(x_ptr=ptr("bf16"), w_ptr=ptr("bf16"), w_desc=f"tensordesc<bf16[1, 2, {bn1}, {bk1}]>",
                    act_ptr=ptr("bf16"), sorted_rows_ptr=ptr("i32"), counts_ptr=ptr("i32")),
               dict(num_local=E, H=H, I=I, num_m=1000, stride_xt=H, stride_xh=1, stride_we=2 * I * H, stride_wn=H,
                    stride_wk=1),
               dict(common(g1), TOPK=K, E_PAD=E), g1["num_warps"], g1["num_stages"])
-        build(f"{shape}_gemm2_T{tokens}", tm._moe_gemm2_kernel,
+        build(f"{shape}_gemm2{hot}_T{tokens}", tm._moe_gemm2_kernel,
               dict(act_ptr=ptr("bf16"), w_ptr=ptr("bf16"), w_desc=f"tensordesc<bf16[{bn2}, {bk2}]>",
                    y_ptr=ptr("bf16"), sorted_rows_ptr=ptr("i32"), counts_ptr=ptr("i32")),
               dict(num_local=E, H=H, I=I, num_m=1000, stride_we=H * I, stride_wn=I, stride_wk=1),
               dict(common(g2), E_PAD=E), g2["num_warps"], g2["num_stages"])
+        if hot:
+            continue
         g1, g2 = tm.pick_configs(tokens, K, E, H, I, one_launch=True)
         bn1, bk1, bn2, bk2 = g1["BLOCK_N"], g1["BLOCK_K"], g2["BLOCK_N"], g2["BLOCK_K"]
         narrow_n2 = bn2 // 2 if g2.get("NARROW_TAIL") else 0
@@ -64,9 +69,10 @@ for shape, H, I, E, K in (("ds", 7168, 2048, 256, 8), ("qwen30", 2048, 768, 128,
 @pytest.mark.timeout(900)
 def test_gemms_compile_for_sm90_with_bf16_wgmma_in_every_regime(tmp_path):
     results = compile_for_sm90(BODY, tmp_path)
-    # Two GEMMs at five token counts for two shapes, and the one-launch decode kernel at 1, 2 and 128 tokens,
-    # also with its timeline records and with 16-row tiles only.
-    assert len(results) == 38
+    # Two GEMMs at five token counts for two shapes (and at 512 with 128-row hot-expert tiles beside
+    # the 64-row ones), and the one-launch decode kernel at 1, 2 and 128 tokens, also with its
+    # timeline records and with 16-row tiles only.
+    assert len(results) == 42
     for name, r in results.items():
         print(name, r["shared"], r["ptxas"].strip().splitlines()[-2:])
         assert "0 bytes spill stores, 0 bytes spill loads" in r["ptxas"], (name, r["ptxas"])

@@ -22,8 +22,8 @@ from mok_serve.kernels.cuda.moe import fused_moe_triton, pick_configs  # noqa: E
 from moe_test_utils import (  # noqa: E402
     DEV, FAMILIES, SHAPES, cached_weights, check_bad_ids_masked_and_reported, check_batch_invariant, check_decode_one_launch_bits,
     check_warm_up_leaves_nothing_to_compile,
-    check_decode_wait_gives_up, check_graph_replay, check_nan_stays_in_its_token, fresh_seed, poisoned_call, rel_err,
-    routing,
+    check_decode_wait_gives_up, check_graph_replay, check_heavy_tiles_give_the_same_bits, check_nan_stays_in_its_token,
+    fresh_seed, poisoned_call, rel_err, routing,
 )
 
 
@@ -166,6 +166,19 @@ def test_tile_regimes_give_the_same_bits():
     by_pointer = poisoned_call(fused_moe, x, w13, w2, tw, ids)
     assert torch.equal(by_pointer, fused_moe(x, w13.contiguous(), w2.contiguous(), tw, ids))
     assert rel_err(by_pointer, ref_fp32(x, w13, w2, tw, ids)) <= 1e-2
+
+
+def test_two_launch_heavy_tiles_give_the_same_bits():
+    """The sweep's hot-expert tiles beside the 64-row ones (an expert with more than 64 rows in
+    128-row tiles, 2 or 3 stages, with half tails): the same bits as one tile height."""
+    for family in ("DeepSeek-V3", "Qwen3-30B-A3B"):
+        experts = weights_for(family)
+        E, H, I = experts[0].shape[0], experts[0].shape[2], experts[1].shape[2]
+        assert all(pick_configs(t, 8, E, H, I)[0]["BLOCK_M"] == 64 for t in (300, 700)), family
+        check_heavy_tiles_give_the_same_bits(
+            fused_moe_triton, experts, (300, 700), lambda t: pick_configs(t, 8, E, H, I),
+            [dict(HEAVY_M=128, HEAVY_STAGES=3), dict(HEAVY_M=128, HEAVY_STAGES=2, HALF_TAIL=True)],
+        )
 
 
 def test_decode_one_launch_gives_the_two_launches_bits():

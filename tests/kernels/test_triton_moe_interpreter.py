@@ -272,10 +272,33 @@ def test_decode_heavy_tiles_follow_the_counts_and_give_the_same_rows():
         assert rel_err(got, expect) <= 1e-6, configs
     with pytest.raises(ValueError, match="HEAVY_M"):
         tm.fused_moe_triton(x, w13, w2, weights, ids, configs=(dict(g1, HEAVY_M=24), g2))
-    two = [{k: v for k, v in g.items() if k != "ONE_LAUNCH"} for g in (g1, g2)]  # two launches: no heavy tiles
+    # Two launches take heavy tiles too, each GEMM its own (the one-launch kernel: GEMM1's for both).
+    two = [{k: v for k, v in g.items() if k != "ONE_LAUNCH"} for g in (g1, g2)]
+    got = tm.fused_moe_triton(x, w13, w2, weights, ids, configs=(dict(two[0], **heavy), dict(two[1], **heavy)))
+    assert rel_err(got, expect) <= 1e-6
     with pytest.raises(ValueError, match="one-launch decode kernel only"):
-        tm.fused_moe_triton(x, w13, w2, weights, ids, configs=(dict(two[0], **heavy), two[1]))
+        tm.fused_moe_triton(x, w13, w2, weights, ids, configs=(dict(two[0], NARROW_TAIL=2), two[1]))
     check_decode_wait_gives_up(tm, x, w13, w2, ids, configs=(dict(g1, **heavy), g2))
+
+
+def test_two_launch_heavy_tiles_follow_the_counts_and_give_the_same_rows():
+    # 64-row tiles (17-48 rows per expert on average) with HEAVY_M 128: expert 0 holds every
+    # token's first slot (150 rows: a 128-row tile and a 22-row one), expert 1 65 rows (one heavy
+    # tile), expert 2 exactly 64 (one light tile), the rest 85 rows spread; with half tails beside.
+    x, w13, w2, weights, ids = make_inputs(150, 160, 48, 8, 2, torch.float32, seed=33)
+    ids[:, 0] = 0
+    ids[:65, 1], ids[65:129, 1] = 1, 2
+    ids[129:, 1] = 3 + torch.arange(21) % 5
+    g1, g2 = tm.pick_configs(150, 2, 8, 160, 48)
+    assert g1["BLOCK_M"] == g2["BLOCK_M"] == 64 and "HEAVY_M" not in g1
+    heavy = dict(HEAVY_M=128, HEAVY_STAGES=2)
+    # (heavy first: a later call's output may reuse an earlier one's memory, stale rows in it)
+    got = tm.fused_moe_triton(x, w13, w2, weights, ids, configs=(dict(g1, **heavy), dict(g2, **heavy)))
+    expect = fused_moe_reference(x, w13, w2, weights, ids)
+    assert rel_err(got, expect) <= TOL[torch.float32]
+    assert rel_err(got, tm.fused_moe_triton(x, w13, w2, weights, ids, configs=(g1, g2))) <= 1e-6
+    halves = (dict(g1, **heavy, HALF_TAIL=True), dict(g2, **heavy, HALF_TAIL=True, GROUP_M=2))
+    assert rel_err(tm.fused_moe_triton(x, w13, w2, weights, ids, configs=halves), got) <= 1e-6
 
 
 def test_decode_narrow_gemm2_tail_gives_the_same_bits():

@@ -56,6 +56,10 @@ def test_sweeps_offer_wider_token_tiles_for_concentrated_loads():
     streaming = {label: (g1, g2) for label, g1, g2 in sweep_variants(1024, 8, 256, 7168, 2048)}  # 32 rows
     assert streaming["default"][0]["BLOCK_M"] == 64
     assert streaming["m128 tiles"] == pick_configs(4096, 8, 256, 7168, 2048)  # the 128-row regime's 4-stage tiles
+    # ... or only for hot experts: 128-row tiles for an expert with more than 64 rows.
+    for st in (2, 3):
+        assert all(g["HEAVY_M"] == 128 and g["HEAVY_STAGES"] == st and g["BLOCK_M"] == 64
+                   for g in streaming[f"heavy128 s{st}"])
 
 
 def test_fp8_sweep_offers_both_gemm1_column_tiles_at_decode_only():
