@@ -12,8 +12,8 @@ import triton
 from ..env import knob
 
 __all__ = [
-    "cc_major", "check_heavy_m", "descriptor", "e_pad", "gemm_config", "interpreting", "layer_setup", "max_row_tiles", "pdl_launch",
-    "tma_ok", "w13_operand", "w2_operand",
+    "cc_major", "check_heavy_m", "descriptor", "e_pad", "gemm_config", "interpreting", "layer_setup", "max_row_tiles",
+    "pdl_launch", "tma_ok", "w13_operand", "w2_operand",
 ]
 
 

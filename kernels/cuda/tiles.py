@@ -15,8 +15,8 @@ from .. import bad_ids
 __all__ = [
     "acc_zeros", "cast", "dot", "expert_ids", "expert_tile", "gemm1_tile", "gemm2_tile", "grid_dependency",
     "load_cols", "load_rows", "local_expert_ids", "mma", "moe_schedule_kernel", "now", "program_tile",
-    "report_bad_ids", "scatter_rows", "tile_of", "tile_rows", "two_height_expert_tile", "two_height_tile_of", "wait_count",
-    "zero_words",
+    "report_bad_ids", "scatter_rows", "tile_of", "tile_rows", "two_height_expert_tile", "two_height_tile_of",
+    "wait_count", "zero_words",
 ]
 
 
