@@ -74,7 +74,6 @@ from .tiles import (
     now,
     program_tile,
     scatter_rows,
-    tile_of,
     tile_rows,
     two_height_expert_tile,
     two_height_tile_of,
@@ -109,8 +108,7 @@ def _moe_gemm1_kernel(
     on the device), so it reads each weight tile once per ``HEAVY_M`` rows; the bits do not change."""
     grid_dependency(PDL)
     in_use, pid_n, e, m0, count_e, start_e, heavy = two_height_expert_tile(
-        tl.program_id(0), counts_ptr, num_local, num_m, I, BLOCK_N, E_PAD, BLOCK_M, GROUP_M,
-        HEAVY_M if HEAVY_M > 0 else BLOCK_M,
+        tl.program_id(0), counts_ptr, num_local, num_m, I, BLOCK_N, E_PAD, BLOCK_M, GROUP_M, HEAVY_M
     )
     if in_use:
         _gemm1_tile_rows(
@@ -216,8 +214,7 @@ def _moe_gemm2_kernel(
     """``HEAVY_M`` / ``HEAVY_STAGES``: hot experts' tiles, as ``_moe_gemm1_kernel``'s."""
     grid_dependency(PDL)
     in_use, pid_n, e, m0, count_e, start_e, heavy = two_height_expert_tile(
-        tl.program_id(0), counts_ptr, num_local, num_m, H, BLOCK_N, E_PAD, BLOCK_M, GROUP_M,
-        HEAVY_M if HEAVY_M > 0 else BLOCK_M,
+        tl.program_id(0), counts_ptr, num_local, num_m, H, BLOCK_N, E_PAD, BLOCK_M, GROUP_M, HEAVY_M
     )
     if in_use:
         _gemm2_tile_rows(
@@ -372,7 +369,7 @@ def _moe_decode_experts_kernel(
     gemm1_items = num_m * num_n1
     if item < gemm1_items:
         pid_m, pid_n = program_tile(item, num_m, num_n1, GROUP_M1)
-        total, e, m0, count_e, start_e, heavy = _decode_tile(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M, HEAVY_M)
+        total, e, m0, count_e, start_e, heavy = two_height_tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M, HEAVY_M)
         if pid_m < total:
             _gemm1_tile_rows(
                 x_ptr, w13_ptr, w13_desc, act_ptr, sorted_rows_ptr, heavy, m0, count_e, start_e, pid_n, e, H, I,
@@ -392,12 +389,12 @@ def _moe_decode_experts_kernel(
         else:
             # The last ``narrow_m`` row tiles in use run GEMM2 in NARROW_N2-wide column tiles, so
             # the items drawn last are short and the grid's tail drains sooner.
-            total = _decode_tile(0, counts_ptr, num_local, E_PAD, BLOCK_M, HEAVY_M)[0]
+            total = two_height_tile_of(0, counts_ptr, num_local, E_PAD, BLOCK_M, HEAVY_M)[0]
             wide_m = tl.maximum(total - narrow_m, 0)
         wide_items = wide_m * num_n2
         if item2 < wide_items:
             pid_m, pid_n = program_tile(item2, wide_m, num_n2, GROUP_M2)
-            total, e, m0, count_e, start_e, heavy = _decode_tile(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M, HEAVY_M)
+            total, e, m0, count_e, start_e, heavy = two_height_tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M, HEAVY_M)
             _decode_gemm2_item(
                 act_ptr, w2_ptr, w2_desc, y_ptr, sorted_rows_ptr, sync_ptr, timeline_ptr, item, t_start,
                 pid_m < total, heavy, pid_m, pid_n, e, m0, count_e, start_e, num_n1, H, I, max_polls,
@@ -408,7 +405,7 @@ def _moe_decode_experts_kernel(
         elif NARROW_N2 > 0:
             narrow = item2 - wide_items
             pid_m = wide_items // num_n2 + narrow // tl.cdiv(H, NARROW_N2)
-            total, e, m0, count_e, start_e, heavy = _decode_tile(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M, HEAVY_M)
+            total, e, m0, count_e, start_e, heavy = two_height_tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M, HEAVY_M)
             _decode_gemm2_item(
                 act_ptr, w2_ptr, w2_narrow_desc, y_ptr, sorted_rows_ptr, sync_ptr, timeline_ptr, item, t_start,
                 pid_m < total, heavy, pid_m, narrow % tl.cdiv(H, NARROW_N2), e, m0, count_e, start_e, num_n1, H, I,
@@ -416,17 +413,6 @@ def _moe_decode_experts_kernel(
                 BLOCK_M, NARROW_N2, BLOCK_K2, STAGES2, EVEN_K2, H % NARROW_N2 == 0, USE_TMA2, DOT_IEEE, DOT_F32,
                 SWAP_AB, TIMELINE, HEAVY_M, HEAVY_STAGES2,
             )
-
-
-@triton.jit
-def _decode_tile(pid_m, counts_ptr, num_local, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, HEAVY_M: tl.constexpr):
-    """``tile_of`` (``HEAVY_M`` 0) or ``two_height_tile_of``, with whether the tile is heavy."""
-    if HEAVY_M > 0:
-        total, e, m0, count_e, start_e, heavy = two_height_tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M, HEAVY_M)
-    else:
-        total, e, m0, count_e, start_e = tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M)
-        heavy = pid_m < 0
-    return total, e, m0, count_e, start_e, heavy
 
 
 @triton.jit

@@ -113,8 +113,7 @@ def _fp8_gemm1_kernel(
     device); a row's arithmetic does not depend on its tile's height, so neither do its bits."""
     grid_dependency(PDL)
     in_use, pid_n, e, m0, count_e, start_e, heavy = two_height_expert_tile(
-        tl.program_id(0), counts_ptr, num_local, num_m, I, BLOCK_N, E_PAD, BLOCK_M, GROUP_M,
-        HEAVY_M if HEAVY_M > 0 else BLOCK_M,
+        tl.program_id(0), counts_ptr, num_local, num_m, I, BLOCK_N, E_PAD, BLOCK_M, GROUP_M, HEAVY_M
     )
     if in_use:
         # (nested: a constexpr and a tensor cannot share one condition)
@@ -220,8 +219,7 @@ def _fp8_gemm2_kernel(
     ``HEAVY_M`` / ``HEAVY_STAGES``: hot experts' tiles, as ``_fp8_gemm1_kernel``'s."""
     grid_dependency(PDL)
     in_use, pid_n, e, m0, count_e, start_e, heavy = two_height_expert_tile(
-        tl.program_id(0), counts_ptr, num_local, num_m, H, BLOCK_N, E_PAD, BLOCK_M, GROUP_M,
-        HEAVY_M if HEAVY_M > 0 else BLOCK_M,
+        tl.program_id(0), counts_ptr, num_local, num_m, H, BLOCK_N, E_PAD, BLOCK_M, GROUP_M, HEAVY_M
     )
     if in_use:
         # (nested: a constexpr and a tensor cannot share one condition)

@@ -211,11 +211,13 @@ def two_height_tile_of(pid_m, counts_ptr, num_local, E_PAD: tl.constexpr, BLOCK_
     """``tile_of`` with two tile heights chosen from the counts on the device: an expert with more
     than ``BLOCK_M`` rows is cut into tiles of ``HEAVY_M`` rows (so its weights are read once per
     ``HEAVY_M`` rows, not once per ``BLOCK_M``), the others into ``BLOCK_M``-row tiles (``HEAVY_M``
-    = ``BLOCK_M``: one height, ``tile_of``). Returns ``tile_of``'s tuple and whether the tile is a
-    heavy one. A row's arithmetic does not depend on its tile's height, so neither do its bits."""
+    0 or ``BLOCK_M``: one height, ``tile_of``). Returns ``tile_of``'s tuple and whether the tile is a
+    heavy one (only meaningful where ``HEAVY_M`` > 0). A row's arithmetic does not depend on its
+    tile's height, so neither do its bits."""
+    heavy_m = HEAVY_M if HEAVY_M > 0 else BLOCK_M
     eo = tl.arange(0, E_PAD)
     cnt = tl.load(counts_ptr + eo, mask=eo < num_local, other=0)
-    height = tl.where(cnt > BLOCK_M, HEAVY_M, BLOCK_M)
+    height = tl.where(cnt > BLOCK_M, heavy_m, BLOCK_M)
     tiles = (cnt + height - 1) // height
     cum = tl.cumsum(tiles, axis=0)
     total = tl.sum(tiles, axis=0)
@@ -225,7 +227,7 @@ def two_height_tile_of(pid_m, counts_ptr, num_local, E_PAD: tl.constexpr, BLOCK_
     count_e = tl.sum(tl.where(sel, cnt, 0), axis=0)
     start_e = tl.sum(tl.where(eo < e, cnt, 0), axis=0)
     heavy = count_e > BLOCK_M
-    return total, e, (pid_m - tile0) * tl.where(heavy, HEAVY_M, BLOCK_M), count_e, start_e, heavy
+    return total, e, (pid_m - tile0) * tl.where(heavy, heavy_m, BLOCK_M), count_e, start_e, heavy
 
 
 @triton.jit
@@ -295,7 +297,7 @@ def expert_tile(pid, counts_ptr, num_local, num_m, N, BLOCK_N: tl.constexpr,
 def two_height_expert_tile(pid, counts_ptr, num_local, num_m, N, BLOCK_N: tl.constexpr, E_PAD: tl.constexpr,
                            BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, HEAVY_M: tl.constexpr):
     """``expert_tile`` with ``two_height_tile_of``'s row tiles (an expert with more than ``BLOCK_M``
-    rows in tiles of ``HEAVY_M``), and whether the tile is a heavy one."""
+    rows in tiles of ``HEAVY_M``; 0: one height), and whether the tile is a heavy one."""
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = program_tile(pid, num_m, num_n, GROUP_M)
     total, e, m0, count_e, start_e, heavy = two_height_tile_of(pid_m, counts_ptr, num_local, E_PAD, BLOCK_M, HEAVY_M)

@@ -166,23 +166,22 @@ def test_gemm2_half_tail_gives_the_same_bits():
 
 
 @pytest.mark.parametrize(
-    "g1,g2",
+    "g1,g2,heavy",
     [
         # swapped 16-row tiles, 64-row heavy ones; GEMM1 in 64-column programs (two a group)
-        (dict(BLOCK_M=16, SWAP_AB=True, BLOCK_N=64), dict(BLOCK_M=16, BLOCK_N=64, SWAP_AB=True)),
+        (dict(BLOCK_M=16, SWAP_AB=True, BLOCK_N=64), dict(BLOCK_M=16, BLOCK_N=64, SWAP_AB=True), 64),
         # 32-row heavy tiles, grouped program order, GEMM1 whole groups
-        (dict(BLOCK_M=16, SWAP_AB=True, GROUP_M=4), dict(BLOCK_M=16, BLOCK_N=64, SWAP_AB=True, GROUP_M=4)),
+        (dict(BLOCK_M=16, SWAP_AB=True, GROUP_M=4), dict(BLOCK_M=16, BLOCK_N=64, SWAP_AB=True, GROUP_M=4), 32),
         # unswapped 64-row tiles, 128-row heavy ones; GEMM2 half tails beside them
-        (dict(BLOCK_M=64), dict(BLOCK_M=64, BLOCK_N=64, HALF_TAIL=True)),
+        (dict(BLOCK_M=64), dict(BLOCK_M=64, BLOCK_N=64, HALF_TAIL=True), 128),
     ],
 )
-def test_hot_experts_heavy_tiles_give_the_same_bits(g1, g2):
+def test_hot_experts_heavy_tiles_give_the_same_bits(g1, g2, heavy):
     # HEAVY_M: an expert with more than BLOCK_M rows runs HEAVY_M-row tiles (chosen from the counts
     # on the device), the others BLOCK_M-row ones. Expert 0 holds every token's first slot (100
     # rows: heavy tiles and a short last one), expert 1 BLOCK_M + 1 rows, expert 2 exactly BLOCK_M,
     # expert 3 the rest. The same bits as one height.
     bm = g1["BLOCK_M"]
-    heavy = 32 if g1.get("GROUP_M") == 4 else 4 * bm if bm == 16 else 2 * bm
     x, fp8, weights, ids = make(100, 128, 128, 4, 2, seed=31)
     ids[:, 0] = 0
     ids[: bm + 1, 1], ids[bm + 1 : 2 * bm + 1, 1], ids[2 * bm + 1 :, 1] = 1, 2, 3
