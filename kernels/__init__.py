@@ -55,14 +55,17 @@ __all__ = [
 _lib = torch.library.Library("mok_serve", "FRAGMENT")
 
 
+# Only the installed package defines the ops. Where the checkout's root is on sys.path (`python -m`
+# run from it, pytest), transformers' probe for the Hugging Face `kernels` package imports this
+# folder a second time as `kernels`: a copy with its own Triton kernels and warm-up state. Ops
+# defined by that copy ran its unwarmed kernels (a deterministic server compiled while serving).
+_DEFINES_OPS = __name__ == "mok_serve.kernels"
+
+
 def _define_op(name: str, arguments: str, impl, fake=None) -> None:
     """``torch.ops.mok_serve.<name>(arguments) -> Tensor``, shaped by ``fake`` (default: like its
-    first argument).
-
-    Defined once: `python -m pytest` puts the checkout on sys.path, where transformers' probe for
-    the Hugging Face `kernels` package imports this directory a second time as `kernels`.
-    """
-    if hasattr(torch.ops.mok_serve, name):
+    first argument); once, by the installed package (``_DEFINES_OPS``)."""
+    if not _DEFINES_OPS or hasattr(torch.ops.mok_serve, name):
         return
     _lib.define(f"{name}({arguments}) -> Tensor")
     _lib.impl(name, impl, "CompositeExplicitAutograd")
@@ -228,7 +231,7 @@ def _invariant_rms_norm_impl(x, residual, weight, eps):
     return y, (z if z is not None else x.new_empty(0))
 
 
-if not hasattr(torch.ops.mok_serve, "invariant_rms_norm"):
+if _DEFINES_OPS and not hasattr(torch.ops.mok_serve, "invariant_rms_norm"):
     _lib.define("invariant_rms_norm(Tensor x, Tensor? residual, Tensor? weight, float eps) -> (Tensor, Tensor)")
     _lib.impl("invariant_rms_norm", _invariant_rms_norm_impl, "CompositeExplicitAutograd")
     torch.library.register_fake(
