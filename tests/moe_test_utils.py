@@ -211,9 +211,11 @@ def check_graph_replay(op, experts):
 def check_heavy_tiles_give_the_same_bits(op, experts, token_counts, pick, heavy_variants):
     """Hot-expert tiles: ``op`` (``fused_moe_triton`` or ``fused_moe_fp8_triton``) with each of
     ``heavy_variants`` (keys added to both GEMM configs, ``HEAVY_M`` among them) gives the bits of
-    ``pick(tokens)``'s configs, with every token on the same experts, skewed and uniform routing;
-    and a CUDA graph captured with the first variant at the first count follows each replay's
-    counts (hot, uniform, hot)."""
+    ``pick(tokens)``'s configs at one tile height (``one_height``), with every token on the same
+    experts, skewed and uniform routing; and a CUDA graph captured with the first variant at the
+    first count follows each replay's counts (hot, uniform, hot)."""
+    from mok_serve.kernels.cuda.configs import one_height
+
     E, H, _ = _sizes(experts)
     g = torch.Generator(device=DEV).manual_seed(fresh_seed())
 
@@ -224,15 +226,18 @@ def check_heavy_tiles_give_the_same_bits(op, experts, token_counts, pick, heavy_
             ids[:] = ids[0]
         return x, tw, ids
 
+    def pick_one_height(tokens):
+        return tuple(one_height(c) for c in pick(tokens))
+
     for tokens in token_counts:
-        configs = pick(tokens)
+        configs = pick_one_height(tokens)
         for kind in ("hot", "skewed", "uniform"):
             x, tw, ids = inputs(tokens, kind)
             base = poisoned_call(op, x, *experts, tw, ids, configs=configs)
             for extra in heavy_variants:
                 heavy = tuple(dict(c, **extra) for c in configs)
                 assert torch.equal(poisoned_call(op, x, *experts, tw, ids, configs=heavy), base), (tokens, kind, extra)
-    tokens, configs = token_counts[0], pick(token_counts[0])
+    tokens, configs = token_counts[0], pick_one_height(token_counts[0])
     heavy = tuple(dict(c, **heavy_variants[0]) for c in configs)
     x, tw, ids = inputs(tokens, "uniform")
     graph = torch.cuda.CUDAGraph()

@@ -472,9 +472,10 @@ def launch_fp8_gemm2(
     parameters (the expert-parallel push epilogue), ``extra_args`` / ``extra_constexprs`` its own."""
     num_local, hidden, inter = w2.shape
     g = gemm_config(config, act_q, interpret, GROUP_M=1, SWAP_AB=False)
-    if kernel is not None and (g.pop("HALF_TAIL", False) or g.pop("HEAVY_M", 0)):
-        raise ValueError("the expert-parallel FP8 GEMM2 runs full tiles only (no HALF_TAIL or HEAVY_M)")
     check_heavy_m(g)
+    if kernel is not None:  # the expert-parallel push epilogue always runs full tiles of one height
+        for key in ("HALF_TAIL", "HEAVY_M", "HEAVY_STAGES"):
+            g.pop(key, None)
     bn = g["BLOCK_N"]
     w2_desc = w2_operand(w2, g, GROUP)
     num_m = max_row_tiles(rows, num_local, g["BLOCK_M"])

@@ -256,7 +256,7 @@ def sweep_points(given, selected_shapes) -> list:
 def sweep_variants(tokens, top_k, E, H, I):
     """Named (GEMM1, GEMM2) config pairs around the default: gate/up fused into one dot, TMA weights.
     The sweep also times the default with the kernels launched the ordinary way ("no PDL")."""
-    from mok_serve.kernels.cuda.configs import pick_configs
+    from mok_serve.kernels.cuda.configs import one_height, pick_configs
     from mok_serve.kernels.env import knob
 
     d1, d2 = pick_configs(tokens, top_k, E, H, I, one_launch=knob("one_launch"))
@@ -326,27 +326,27 @@ def sweep_variants(tokens, top_k, E, H, I):
             ("g2 n/2", d1, v(d2, BLOCK_N=max(16, bn2 // 2))),
             ("g2 n*2", d1, v(d2, BLOCK_N=min(256, bn2 * 2))),
             ("group4", v(d1, GROUP_M=4), v(d2, GROUP_M=4)),
-            # The next regime's 128-row tiles (pick_configs' at 96 rows per expert): fewer re-reads
-            # of an expert's weights where its rows are many more than the average (--routing
-            # concentrated).
+            # The next regime's 128-row tiles (pick_configs' at 96 rows per expert) for every expert.
             ("m128 tiles", *pick_configs(-(-96 * E // top_k), top_k, E, H, I)),
-            # The same for hot experts only: an expert with more than 64 rows in 128-row tiles
-            # (HEAVY_M, chosen on the device from the counts), the others in 64-row ones.
-            *[(f"heavy128 s{st}", v(d1, HEAVY_M=128, HEAVY_STAGES=st), v(d2, HEAVY_M=128, HEAVY_STAGES=st))
-              for st in (2, 3)],
+            # Hot experts' 128-row tiles (the default's HEAVY_M): without them, or 2-deep.
+            ("no heavy", one_height(d1), one_height(d2)),
+            ("heavy128 s2", v(d1, HEAVY_STAGES=2), v(d2, HEAVY_STAGES=2)),
+        ]
+        o1, o2 = one_height(d1), one_height(d2)
+        out += [
             # Operands swapped with 16-row token tiles, as at decode (18-44% slower at 16-32 rows
             # per expert in the sweep at 5767485).
-            ("swapped", v(d1, BLOCK_M=16, SWAP_AB=True, BLOCK_K=128, num_stages=6, BLOCK_N=max(32, bn1)),
-             v(d2, BLOCK_M=16, SWAP_AB=True, BLOCK_K=128, num_stages=3, BLOCK_N=max(64, bn2))),
+            ("swapped", v(o1, BLOCK_M=16, SWAP_AB=True, BLOCK_K=128, num_stages=6, BLOCK_N=max(32, bn1)),
+             v(o2, BLOCK_M=16, SWAP_AB=True, BLOCK_K=128, num_stages=3, BLOCK_N=max(64, bn2))),
             # Both GEMMs in one launch (the decode kernel): as the default, or with swapped tiles
             # of 64, 32 or 16 token rows, each within half an SM's shared memory.
-            ("one launch", v(d1, ONE_LAUNCH=True), d2),
-            ("one launch m64 swap", v(d1, SWAP_AB=True, ONE_LAUNCH=True), v(d2, SWAP_AB=True)),
-            ("one launch m32 swap", v(d1, BLOCK_M=32, SWAP_AB=True, BLOCK_K=128, num_stages=4, BLOCK_N=32, ONE_LAUNCH=True),
-             v(d2, BLOCK_M=32, SWAP_AB=True, BLOCK_K=128, num_stages=3, BLOCK_N=64)),
-            ("one launch m16 swap", v(d1, BLOCK_M=16, SWAP_AB=True, BLOCK_K=128, num_stages=4, BLOCK_N=max(32, bn1),
+            ("one launch", v(o1, ONE_LAUNCH=True), o2),
+            ("one launch m64 swap", v(o1, SWAP_AB=True, ONE_LAUNCH=True), v(o2, SWAP_AB=True)),
+            ("one launch m32 swap", v(o1, BLOCK_M=32, SWAP_AB=True, BLOCK_K=128, num_stages=4, BLOCK_N=32, ONE_LAUNCH=True),
+             v(o2, BLOCK_M=32, SWAP_AB=True, BLOCK_K=128, num_stages=3, BLOCK_N=64)),
+            ("one launch m16 swap", v(o1, BLOCK_M=16, SWAP_AB=True, BLOCK_K=128, num_stages=4, BLOCK_N=max(32, bn1),
                                       ONE_LAUNCH=True),
-             v(d2, BLOCK_M=16, SWAP_AB=True, BLOCK_K=128, num_stages=3, BLOCK_N=min(128, max(64, bn2)))),
+             v(o2, BLOCK_M=16, SWAP_AB=True, BLOCK_K=128, num_stages=3, BLOCK_N=min(128, max(64, bn2)))),
         ]
     return out
 
@@ -354,9 +354,10 @@ def sweep_variants(tokens, top_k, E, H, I):
 
 def sweep_variants_fp8(tokens, top_k, E, H, I):
     """Named (GEMM1, GEMM2) config pairs of the FP8 kernels around ``pick_configs_fp8``'s."""
-    from mok_serve.kernels.cuda.configs import pick_configs_fp8
+    from mok_serve.kernels.cuda.configs import one_height, pick_configs_fp8
 
     d1, d2 = pick_configs_fp8(tokens, top_k, E, H, I)
+    o1, o2 = one_height(d1), one_height(d2)  # the one-launch kernel and other tile heights: one height
 
     def v(d, **kw):
         return {**d, **kw}
@@ -366,10 +367,10 @@ def sweep_variants_fp8(tokens, top_k, E, H, I):
     if 8 < avg <= 32:
         # Swapped 32-row token tiles: one tile holds an expert's rows up to ~2x the average.
         m32 = dict(BLOCK_M=32, num_warps=4, SWAP_AB=True, GROUP_M=1)
-        out += [(f"swap m32 s{s1}/{s2}", v(d1, **m32, num_stages=s1), v(d2, **m32, num_stages=s2, BLOCK_N=max(64, d2["BLOCK_N"])))
+        out += [(f"swap m32 s{s1}/{s2}", v(o1, **m32, num_stages=s1), v(o2, **m32, num_stages=s2, BLOCK_N=max(64, d2["BLOCK_N"])))
                 for s1, s2 in ((4, 5), (5, 5), (6, 5))]
         m16 = dict(m32, BLOCK_M=16)
-        out += [("swap m16 s6/5", v(d1, **m16, num_stages=6), v(d2, **m16, num_stages=5, BLOCK_N=max(64, d2["BLOCK_N"])))]
+        out += [("swap m16 s6/5", v(o1, **m16, num_stages=6), v(o2, **m16, num_stages=5, BLOCK_N=max(64, d2["BLOCK_N"])))]
     if avg <= 8:
         # Operands swapped, 16-row token tiles (as the bf16 decode regime): weight tiles fill the
         # shared memory, so deeper pipelines fit (GEMM1 stage 34 KB, GEMM2 2 KB + 128 B per column).
@@ -395,14 +396,12 @@ def sweep_variants_fp8(tokens, top_k, E, H, I):
                 ("g1 n32", v(d1, BLOCK_N=32), d2), ("g1 n32 s8", v(d1, BLOCK_N=32, num_stages=8), d2),
                 # Both GEMMs as one launch (as bf16's decode kernel, 0-8% there): no launch boundary,
                 # and GEMM2 items fill the SMs GEMM1's last wave leaves idle.
-                ("one launch", v(d1, ONE_LAUNCH=True), d2), ("one launch n32", v(d1, ONE_LAUNCH=True, BLOCK_N=32), d2)]
-    if d1["BLOCK_M"] == 16:
-        # Hot experts (--routing concentrated): an expert with more than 16 rows in 64-row tiles
-        # (HEAVY_M, chosen on the device from the counts), so it reads each weight tile once per 64
-        # rows instead of once per 16 (bf16's decode kernel: 2.0x at DeepSeek-V3 256 tokens, uniform
-        # within 0.7%); GROUP_M 4 also runs an expert's heavy tiles side by side on a weight tile.
-        out += [(f"heavy64 s{s}{' group4' if g > 1 else ''}", v(d1, HEAVY_M=64, HEAVY_STAGES=s, GROUP_M=g),
-                 v(d2, HEAVY_M=64, HEAVY_STAGES=s, GROUP_M=g)) for s, g in ((2, 1), (4, 1), (4, 4))]
+                ("one launch", v(o1, ONE_LAUNCH=True), o2), ("one launch n32", v(o1, ONE_LAUNCH=True, BLOCK_N=32), o2)]
+    if d1.get("HEAVY_M"):
+        # Hot experts' 64-row tiles (the default's HEAVY_M): without them, 2-deep, or in grouped
+        # order (an expert's heavy tiles side by side on a weight tile).
+        out += [("no heavy", o1, o2), ("heavy64 s2", v(d1, HEAVY_STAGES=2), v(d2, HEAVY_STAGES=2)),
+                ("heavy64 group4", v(d1, GROUP_M=4), v(d2, GROUP_M=4))]
     if 16 < avg <= 48:
         # 64-row tiles in column-fastest order: a hot expert's row tiles read the same weight tile
         # far apart in time (DeepSeek-V3's 29 MB of w13 per expert do not stay in L2). Grouped order

@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 
 from mok_serve.kernels import fused_moe_fp8, fused_moe_fp8_reference, warm_up, warm_up_token_counts  # noqa: E402
 from mok_serve.kernels.fp8 import quantize_fp8_blocks  # noqa: E402
+from mok_serve.kernels.cuda.configs import one_height  # noqa: E402
 from mok_serve.kernels.cuda.moe_fp8 import fused_moe_fp8_triton, pick_configs_fp8  # noqa: E402
 from moe_test_utils import (  # noqa: E402
     DEV, FAMILIES, SHAPES, cached_weights, check_bad_ids_masked_and_reported, check_batch_invariant, check_graph_replay,
@@ -128,12 +129,15 @@ def test_split_gemm1_column_tiles_give_the_same_bits():
 
 
 def test_hot_expert_heavy_tiles_give_the_same_bits():
-    """The sweep's hot-expert tiles (an expert with more than 16 rows in 64-row tiles, GROUP_M 1
-    and 4) beside the 16-row decode tiles: the same bits as one tile height."""
+    """Hot experts' tiles beside the 16-row decode tiles (the default's: an expert with more than
+    16 rows in 64-row tiles with 4 stages; the sweep's 2 stages and GROUP_M 4): the same bits as
+    one tile height."""
     for family in ("DeepSeek-V3", "Qwen3-30B-A3B"):
         fp8 = weights_for(family)
         E, H, I = fp8[0].shape[0], fp8[0].shape[2], fp8[1].shape[2]
-        assert all(pick_configs_fp8(t, 8, E, H, I)[0]["BLOCK_M"] == 16 for t in (64, 8, 150)), family
+        for t in (64, 8, 150):
+            g1, g2 = pick_configs_fp8(t, 8, E, H, I)
+            assert g1["BLOCK_M"] == 16 and g1["HEAVY_M"] == g2["HEAVY_M"] == 64, (family, t)
         check_heavy_tiles_give_the_same_bits(
             fused_moe_fp8_triton, fp8, (64, 8, 150), lambda t: pick_configs_fp8(t, 8, E, H, I),
             [dict(HEAVY_M=64, HEAVY_STAGES=4), dict(HEAVY_M=64, HEAVY_STAGES=2),
@@ -152,7 +156,7 @@ def test_one_launch_decode_gives_the_two_launches_bits():
             for skewed in (False, True):
                 x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16, generator=g)
                 tw, ids = routing(tokens, E, 8, skewed=skewed, gen=g)
-                g1, g2 = pick_configs_fp8(tokens, 8, E, H, I)
+                g1, g2 = (one_height(c) for c in pick_configs_fp8(tokens, 8, E, H, I))  # one launch: one height
                 two = poisoned_call(fused_moe_fp8_triton, x, *fp8, tw, ids, configs=(g1, g2))
                 for bn in (128, g1.get("BLOCK_N", 128)):
                     one = poisoned_call(fused_moe_fp8_triton, x, *fp8, tw, ids,
@@ -160,7 +164,7 @@ def test_one_launch_decode_gives_the_two_launches_bits():
                     assert torch.equal(one, two), (family, tokens, skewed, bn)
         x = torch.randn(8, H, device=DEV, dtype=torch.bfloat16, generator=g)
         tw, ids = routing(8, E, 8, gen=g)
-        g1, g2 = pick_configs_fp8(8, 8, E, H, I)
+        g1, g2 = (one_height(c) for c in pick_configs_fp8(8, 8, E, H, I))
         expect = fused_moe_fp8_triton(x, *fp8, tw, ids, configs=(g1, g2))
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

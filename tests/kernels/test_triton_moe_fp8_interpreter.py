@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton")
 tl = triton.language
 
 from mok_serve.kernels import fused_moe_fp8_reference  # noqa: E402
-from mok_serve.kernels.cuda.configs import fp8_split_max_tokens  # noqa: E402
+from mok_serve.kernels.cuda.configs import fp8_split_max_tokens, one_height  # noqa: E402
 from mok_serve.kernels.fp8 import dequantize_fp8_groups, quantize_fp8_groups  # noqa: E402
 from moe_test_utils import interpreted_cuda_modules, make_fp8_inputs, rel_err  # noqa: E402
 
@@ -203,11 +203,6 @@ def test_heavy_tiles_are_refused_where_they_cannot_run():
             tf.fused_moe_fp8_triton(x, w13, w2, s13, s2, weights, ids, configs=(dict(g1, HEAVY_M=bad), g2))
     with pytest.raises(ValueError, match="one height"):
         tf.fused_moe_fp8_triton(x, w13, w2, s13, s2, weights, ids, configs=(dict(g1, ONE_LAUNCH=True, HEAVY_M=64), g2))
-    act_q = torch.zeros(4, 128, dtype=w2.dtype)
-    with pytest.raises(ValueError, match="full tiles only"):
-        tf.launch_fp8_gemm2(act_q, torch.ones(4, 1), w2, s2, x, torch.zeros(4, dtype=torch.int32),
-                            torch.zeros(2, dtype=torch.int32), 4, dict(g2, HEAVY_M=64),
-                            scale_bn=128, interpret=True, kernel=tf._fp8_gemm2_kernel)
 
 
 @pytest.mark.parametrize(
@@ -254,15 +249,6 @@ def test_one_launch_decode_wait_that_runs_out_gives_nan_rows_and_the_error_word(
     assert torch.isnan(y).all() and int(sync[1]) == 1
 
 
-def test_expert_parallel_gemm2_refuses_half_tail():
-    x, (w13, w2, s13, s2), _, _ = make(4, 128, 128, 2, 1)
-    act_q = torch.zeros(4, 128, dtype=w2.dtype)
-    with pytest.raises(ValueError, match="full tiles only"):
-        tf.launch_fp8_gemm2(act_q, torch.ones(4, 1), w2, s2, x, torch.zeros(4, dtype=torch.int32),
-                            torch.zeros(2, dtype=torch.int32), 4, dict(BLOCK_M=64, BLOCK_N=64, HALF_TAIL=True),
-                            scale_bn=128, interpret=True, kernel=tf._fp8_gemm2_kernel)
-
-
 @pytest.mark.parametrize(
     "tokens,inter,g1",
     [
@@ -306,9 +292,9 @@ def test_split_gemm1_needs_its_buffers_and_a_half_group():
         tf.launch_fp8_gemm1(xq, torch.empty(4, 1), fp8[0], fp8[2], act_q, torch.empty(rows, 1),
                             torch.zeros(rows, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), rows, 1,
                             dict(g1, BLOCK_N=64), act_h=act_h, in_dtype=x.dtype, scale_bn=128, interpret=True)
-    # The one-launch decode kernel: its sync words and, with split GEMM1 tiles, act_h.
-    g1_split = dict(g1, BLOCK_N=64, SWAP_AB=True, BLOCK_M=16, num_warps=4)
-    g2_swap = dict(g2, SWAP_AB=True, BLOCK_M=16, num_warps=4)
+    # The one-launch decode kernel (tiles of one height): its sync words and, with split GEMM1 tiles, act_h.
+    g1_split = dict(one_height(g1), BLOCK_N=64, SWAP_AB=True, BLOCK_M=16, num_warps=4)
+    g2_swap = dict(one_height(g2), SWAP_AB=True, BLOCK_M=16, num_warps=4)
     words = sum(tf.fp8_decode_sync_words(rows, 2, 128, g1_split))
     one = (xq, torch.empty(4, 1), fp8[0], fp8[2], fp8[1], fp8[3], act_q, torch.empty(rows, 1))
     tail = (torch.empty(rows, 128, dtype=x.dtype), torch.zeros(rows, dtype=torch.int32), torch.zeros(2, dtype=torch.int32))

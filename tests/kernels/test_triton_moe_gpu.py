@@ -169,12 +169,15 @@ def test_tile_regimes_give_the_same_bits():
 
 
 def test_two_launch_heavy_tiles_give_the_same_bits():
-    """The sweep's hot-expert tiles beside the 64-row ones (an expert with more than 64 rows in
-    128-row tiles, 2 or 3 stages, with half tails): the same bits as one tile height."""
+    """Hot experts' tiles beside the 64-row ones (the default's: an expert with more than 64 rows
+    in 128-row tiles with 3 stages; the sweep's 2 stages with half tails): the same bits as one
+    tile height."""
     for family in ("DeepSeek-V3", "Qwen3-30B-A3B"):
         experts = weights_for(family)
         E, H, I = experts[0].shape[0], experts[0].shape[2], experts[1].shape[2]
-        assert all(pick_configs(t, 8, E, H, I)[0]["BLOCK_M"] == 64 for t in (300, 700)), family
+        for t in (300, 700):
+            g1, g2 = pick_configs(t, 8, E, H, I)
+            assert g1["BLOCK_M"] == 64 and g1["HEAVY_M"] == g2["HEAVY_M"] == 128, (family, t)
         check_heavy_tiles_give_the_same_bits(
             fused_moe_triton, experts, (300, 700), lambda t: pick_configs(t, 8, E, H, I),
             [dict(HEAVY_M=128, HEAVY_STAGES=3), dict(HEAVY_M=128, HEAVY_STAGES=2, HALF_TAIL=True)],

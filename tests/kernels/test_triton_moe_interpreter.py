@@ -16,6 +16,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
 from mok_serve.kernels import fused_moe_reference  # noqa: E402
+from mok_serve.kernels.cuda.configs import one_height  # noqa: E402
 from moe_test_utils import (  # noqa: E402
     check_decode_one_launch_bits,
     check_decode_wait_gives_up,
@@ -289,15 +290,15 @@ def test_two_launch_heavy_tiles_follow_the_counts_and_give_the_same_rows():
     ids[:, 0] = 0
     ids[:65, 1], ids[65:129, 1] = 1, 2
     ids[129:, 1] = 3 + torch.arange(21) % 5
-    g1, g2 = tm.pick_configs(150, 2, 8, 160, 48)
-    assert g1["BLOCK_M"] == g2["BLOCK_M"] == 64 and "HEAVY_M" not in g1
-    heavy = dict(HEAVY_M=128, HEAVY_STAGES=2)
+    h1, h2 = tm.pick_configs(150, 2, 8, 160, 48)
+    assert all(g["BLOCK_M"] == 64 and g["HEAVY_M"] == 128 for g in (h1, h2))  # the default's heavy tiles
     # (heavy first: a later call's output may reuse an earlier one's memory, stale rows in it)
-    got = tm.fused_moe_triton(x, w13, w2, weights, ids, configs=(dict(g1, **heavy), dict(g2, **heavy)))
+    got = tm.fused_moe_triton(x, w13, w2, weights, ids, configs=(h1, h2))
     expect = fused_moe_reference(x, w13, w2, weights, ids)
     assert rel_err(got, expect) <= TOL[torch.float32]
-    assert rel_err(got, tm.fused_moe_triton(x, w13, w2, weights, ids, configs=(g1, g2))) <= 1e-6
-    halves = (dict(g1, **heavy, HALF_TAIL=True), dict(g2, **heavy, HALF_TAIL=True, GROUP_M=2))
+    one = (one_height(h1), one_height(h2))
+    assert rel_err(got, tm.fused_moe_triton(x, w13, w2, weights, ids, configs=one)) <= 1e-6
+    halves = (dict(h1, HEAVY_STAGES=2, HALF_TAIL=True), dict(h2, HEAVY_STAGES=2, HALF_TAIL=True, GROUP_M=2))
     assert rel_err(tm.fused_moe_triton(x, w13, w2, weights, ids, configs=halves), got) <= 1e-6
 
 

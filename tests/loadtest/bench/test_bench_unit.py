@@ -56,10 +56,12 @@ def test_sweeps_offer_wider_token_tiles_for_concentrated_loads():
     streaming = {label: (g1, g2) for label, g1, g2 in sweep_variants(1024, 8, 256, 7168, 2048)}  # 32 rows
     assert streaming["default"][0]["BLOCK_M"] == 64
     assert streaming["m128 tiles"] == pick_configs(4096, 8, 256, 7168, 2048)  # the 128-row regime's 4-stage tiles
-    # ... or only for hot experts: 128-row tiles for an expert with more than 64 rows.
-    for st in (2, 3):
-        assert all(g["HEAVY_M"] == 128 and g["HEAVY_STAGES"] == st and g["BLOCK_M"] == 64
-                   for g in streaming[f"heavy128 s{st}"])
+    # By default only hot experts get 128-row tiles (more than 64 rows, 3 stages); the sweep times
+    # 2 stages and none, and the one-launch and swapped variants at one height.
+    for label, st in (("default", 3), ("heavy128 s2", 2)):
+        assert all(g["HEAVY_M"] == 128 and g["HEAVY_STAGES"] == st and g["BLOCK_M"] == 64 for g in streaming[label])
+    for label in ("no heavy", "swapped", "one launch", "one launch m16 swap"):
+        assert not any(k in g for g in streaming[label] for k in ("HEAVY_M", "HEAVY_STAGES")), label
 
 
 def test_fp8_sweep_offers_both_gemm1_column_tiles_at_decode_only():
@@ -83,12 +85,15 @@ def test_fp8_sweep_offers_hot_expert_variants():
 
     decode = {label: (g1, g2) for label, g1, g2 in sweep_variants_fp8(256, 8, 256, 7168, 2048)}  # 8 rows per expert
     heavy = [label for label in decode if label.startswith("heavy64")]
-    assert heavy == ["heavy64 s2", "heavy64 s4", "heavy64 s4 group4"]
-    for label in heavy:
-        for g, default in zip(decode[label], decode["default"]):
-            assert g["HEAVY_M"] == 64 and g["BLOCK_M"] == default["BLOCK_M"] == 16
+    assert heavy == ["heavy64 s2", "heavy64 group4"]
+    for label in ("default", *heavy):  # the default has hot experts' 64-row tiles, 4 stages
+        for g in decode[label]:
+            assert g["HEAVY_M"] == 64 and g["BLOCK_M"] == 16 and g["HEAVY_STAGES"] == (2 if label == "heavy64 s2" else 4)
             check_heavy_m(g)
-    assert decode["heavy64 s4 group4"][1]["GROUP_M"] == 4 and decode["heavy64 s2"][0]["HEAVY_STAGES"] == 2
+    assert decode["heavy64 group4"][1]["GROUP_M"] == 4
+    # Without them, and the one-launch kernel (tiles of one height) never with them.
+    for label in ("no heavy", "one launch", "one launch n32"):
+        assert not any(k in g for g in decode[label] for k in ("HEAVY_M", "HEAVY_STAGES")), label
     assert not any(label.startswith("heavy") for label, _, _ in sweep_variants_fp8(512, 8, 256, 7168, 2048))
     streaming = {label: (g1, g2) for label, g1, g2 in sweep_variants_fp8(1024, 8, 256, 7168, 2048)}  # 32 rows
     assert [streaming[f"group{g}"][i]["GROUP_M"] for g in (4, 8) for i in (0, 1)] == [4, 4, 8, 8]
