@@ -115,28 +115,75 @@ class Streamed(NamedTuple):
     tokens: int | None  # completion tokens in the final usage chunk (None: none came)
 
 
+class _StreamReader:
+    """Folds a completion stream's lines into a Streamed. A chunk without choices other than the
+    usage chunk (an error event) raises KeyError, as the error ends the stream."""
+
+    def __init__(self):
+        self.pieces, self.finish, self.tokens = [], None, None
+
+    def feed(self, line: str) -> None:
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            return
+        chunk = json.loads(line[6:])
+        if chunk.get("usage") and not chunk.get("choices"):
+            self.tokens = chunk["usage"]["completion_tokens"]
+            return
+        choice = chunk["choices"][0]
+        self.pieces.append(choice["text"])
+        self.finish = choice.get("finish_reason") or self.finish
+
+    def result(self) -> Streamed:
+        return Streamed(self.pieces, self.finish, self.tokens)
+
+
+def _stream_body(model, prompt, max_tokens) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
+
+
 def stream_completion(server, model, prompt, max_tokens, *, headers=None, stop_after=None) -> Streamed:
     """A streamed greedy completion with ``ignore_eos`` and a final usage chunk; with ``stop_after``,
-    the connection is dropped after that many chunks. A chunk without choices other than the usage
-    chunk (an error event) raises KeyError, as the error ends the stream."""
+    the connection is dropped after that many chunks."""
     import httpx
 
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
-    pieces, finish, tokens = [], None, None
+    reader = _StreamReader()
     with httpx.Client(base_url=server.url, headers=headers, timeout=300) as c, \
-            c.stream("POST", "/v1/completions", json=body) as r:
+            c.stream("POST", "/v1/completions", json=_stream_body(model, prompt, max_tokens)) as r:
         r.raise_for_status()
         for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage") and not chunk.get("choices"):
-                tokens = chunk["usage"]["completion_tokens"]
-                continue
-            choice = chunk["choices"][0]
-            pieces.append(choice["text"])
-            finish = choice.get("finish_reason") or finish
-            if stop_after is not None and len(pieces) >= stop_after:
-                return Streamed(pieces, "dropped", None)
-    return Streamed(pieces, finish, tokens)
+            reader.feed(line)
+            if stop_after is not None and len(reader.pieces) >= stop_after:
+                return Streamed(reader.pieces, "dropped", None)
+    return reader.result()
+
+
+def stream_all(server, model, prompts, max_tokens, *, during=None, timeout=300) -> list:
+    """Streams every prompt at once (as stream_completion) and, once they are sent, awaits the
+    coroutine function ``during`` beside them; returns each stream's Streamed, or the exception that
+    ended it, after at most ``timeout`` seconds more. One thread runs every stream (asyncio): on two
+    busy cores a thread per stream lags behind the server, and in CI a pool once hung starting one."""
+    import asyncio
+
+    import httpx
+
+    async def one(c, prompt):
+        reader = _StreamReader()
+        try:
+            async with c.stream("POST", "/v1/completions", json=_stream_body(model, prompt, max_tokens)) as r:
+                r.raise_for_status()
+                async for line in r.aiter_lines():
+                    reader.feed(line)
+        except Exception as exc:  # noqa: BLE001 - what ended the stream is the caller's to judge
+            return exc
+        return reader.result()
+
+    async def run():
+        limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=server.url, timeout=timeout, limits=limits) as c:
+            streams = [asyncio.create_task(one(c, p)) for p in prompts]
+            if during is not None:
+                await during()
+            return await asyncio.wait_for(asyncio.gather(*streams), timeout)
+
+    return asyncio.run(run())

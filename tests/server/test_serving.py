@@ -1,6 +1,7 @@
 """Real `mok-serve` servers on the CPU: the OpenAI API through the official client, kittens vs
 the stock backend, batch invariance, CPU tensor parallel + expert parallel, start-up errors."""
 
+import asyncio
 import json
 import os
 import re
@@ -13,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from serving_utils import (PROMPTS, assert_greedy_agrees, client, dequantized_copy, greedy, greedy_all, greedy_logprobs,
-                           model_id, stream_completion)
+                           model_id, stream_all)
 
 from mok_serve import tiny_models
 from mok_serve.server_process import ServerError, ServerProcess
@@ -108,14 +109,12 @@ def test_data_parallel_2_expert_parallel_equals_tp1(kittens_server):
             assert f"kittens EP: rank {rank} of 2 dispatches and combines over shared memory (per-rank tokens)" in log
 
 
-def stream_outcome(server, model, prompt, max_tokens) -> str:
-    """"ok" for a streamed completion that ran to ``max_tokens`` (finish reason "length" and the
-    usage chunk's count; under load vLLM may send several tokens in one chunk, so chunks are not
-    counted), else what ended it."""
-    try:
-        streamed = stream_completion(server, model, prompt, max_tokens)
-    except Exception as exc:  # noqa: BLE001 - any error is an outcome here
-        return f"error: {type(exc).__name__}"
+def stream_outcome(streamed, max_tokens) -> str:
+    """"ok" for a stream (stream_all's result) that ran to ``max_tokens`` (finish reason "length"
+    and the usage chunk's count; under load vLLM may send several tokens in one chunk, so chunks are
+    not counted), else what ended it."""
+    if isinstance(streamed, Exception):
+        return f"error: {type(streamed).__name__}"
     if streamed.finish == "length" and streamed.tokens == max_tokens:
         return "ok"
     return f"ended: {streamed.finish} after {len(streamed.pieces)} chunks, {streamed.tokens} tokens"
@@ -144,16 +143,18 @@ def kill_mid_stream(server, model, victim, streams: int = 16, max_tokens: int = 
     before the kill can have finished (a stream runs at ~35 tokens/s here)."""
     accepted_line = '"POST /v1/completions HTTP/1.1" 200'
     before = server.log().count(accepted_line)
-    with ThreadPoolExecutor(streams) as pool:
-        running = [pool.submit(stream_outcome, server, model, PROMPTS[i % len(PROMPTS)], max_tokens)
-                   for i in range(streams)]
+    kill = {}
+
+    async def kill_once_accepted():
         deadline = time.monotonic() + 60
         while (accepted := server.log().count(accepted_line) - before) < streams and time.monotonic() < deadline:
-            time.sleep(0.1)
+            await asyncio.sleep(0.25)
         os.kill(victim.pid, signal.SIGKILL)
-        killed = time.monotonic()
-        ended = [f.result(timeout=180) for f in running]
-    return ended, accepted, time.monotonic() - killed
+        kill.update(accepted=accepted, at=time.monotonic())
+
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(streams)]
+    ended = stream_all(server, model, prompts, max_tokens, during=kill_once_accepted, timeout=180)
+    return [stream_outcome(e, max_tokens) for e in ended], kill["accepted"], time.monotonic() - kill["at"]
 
 
 def assert_serves_as_two_simulated_nodes(model_args: list[str], expected: list[str], prompts=PROMPTS,
@@ -172,9 +173,8 @@ def assert_serves_as_two_simulated_nodes(model_args: list[str], expected: list[s
             assert (f"kittens EP: rank {rank} of {ranks} dispatches and combines over shared memory in nodes of "
                     f"{ranks // 2} ranks, collectives between them") in log
         model = model_id(server)
-        with ThreadPoolExecutor(64) as pool:
-            outcomes = list(pool.map(lambda i: stream_outcome(server, model, PROMPTS[i % len(PROMPTS)], 8), range(64)))
-        assert outcomes == ["ok"] * 64
+        streamed = stream_all(server, model, [PROMPTS[i % len(PROMPTS)] for i in range(64)], 8)
+        assert [stream_outcome(s, 8) for s in streamed] == ["ok"] * 64
         ended, accepted, seconds = kill_mid_stream(server, model, rank_process(server, dp - 1, tp - 1, tp))
         assert seconds < 180
         assert accepted >= 4, f"only {accepted} streams had reached the server at the kill"
