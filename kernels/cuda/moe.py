@@ -309,7 +309,7 @@ SYNC_TICKET, SYNC_ERROR, SYNC_TILES = 0, 1, 2
 _SYNC_TICKET, _SYNC_ERROR, _SYNC_TILES = tl.constexpr(SYNC_TICKET), tl.constexpr(SYNC_ERROR), tl.constexpr(SYNC_TILES)
 
 
-@triton.jit(do_not_specialize=["num_rows"])
+@triton.jit(do_not_specialize=["num_rows", "num_sync"])  # per-call counts: num_sync follows the row tiles
 def _moe_schedule_zero_kernel(
     topk_ids_ptr, expert_map_ptr, counts_ptr, sorted_rows_ptr, report_ptr,
     num_rows, num_global, num_local, stride_it, stride_ik,

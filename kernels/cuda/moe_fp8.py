@@ -68,7 +68,7 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.floa
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["num_rows", "tokens"])  # per-call counts, as moe_schedule_kernel
+@triton.jit(do_not_specialize=["num_rows", "tokens", "num_tickets"])  # per-call counts, as moe_schedule_kernel
 def _fp8_schedule_quantize_kernel(
     topk_ids_ptr, expert_map_ptr, counts_ptr, sorted_rows_ptr, report_ptr,
     num_rows, num_global, num_local, stride_it, stride_ik,

@@ -109,3 +109,70 @@ def test_attention_paths_and_the_warm_up_switch():
         warm_up_invariant_kernels(-1)
     x, w = torch.zeros(2, 8), torch.zeros(4, 8)
     assert warm_up_linear(x, w, None, 4096) == []  # CPU: nothing compiled per call
+
+
+def launch_signatures(monkeypatch, fp8: bool, shape: dict, token_counts) -> dict[int, tuple]:
+    """For each token count, what selects the binaries of a ``fused_moe_triton`` (or FP8) call's
+    launches as Triton compiles them: each kernel's name, its launch keywords (constexprs, warps,
+    stages) and, for every int argument it specializes on, whether the value is 1 and whether 16
+    divides it. The kernels are replaced by recorders: nothing runs."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    from mok_serve.kernels.cuda import moe, moe_fp8
+
+    launches = []
+
+    class Recorder:
+        def __init__(self, name, kernel):
+            self.name = name
+            if isinstance(kernel, JITFunction):
+                self.unspecialized = [p.do_not_specialize for p in kernel.params]
+            else:  # under TRITON_INTERPRET=1 (tests/conftest.py)
+                names = kernel.kwargs.get("do_not_specialize") or ()
+                self.unspecialized = [n in names for n in kernel.arg_names]
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                specialized = tuple((i, a == 1, a % 16 == 0) for i, a in enumerate(args)
+                                    if type(a) is int and not self.unspecialized[i])
+                constants = tuple(sorted((k, v) for k, v in kwargs.items() if isinstance(v, (bool, int, float, str))))
+                launches.append((self.name, specialized, constants))
+            return launch
+
+    for module in (moe, moe_fp8):
+        for name, value in list(vars(module).items()):
+            if isinstance(value, (JITFunction, InterpretedFunction)):
+                monkeypatch.setattr(module, name, Recorder(name, value))
+    E, H, I, K = shape["num_local"], shape["hidden"], shape["inter"], shape["top_k"]
+    wdtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    w13, w2 = torch.empty(E, 2 * I, H, dtype=wdtype), torch.empty(E, H, I, dtype=wdtype)  # never read: no pages touched
+    signatures = {}
+    for tokens in token_counts:
+        x = torch.zeros(tokens, H, dtype=torch.bfloat16)
+        ids = (torch.arange(tokens * K) % E).view(tokens, K).to(torch.int32)
+        weights = torch.full((tokens, K), 1.0 / K)
+        launches.clear()
+        if fp8:
+            scales = (torch.ones(E, 2 * I // 128, H // 128), torch.ones(E, H // 128, I // 128))
+            moe_fp8.fused_moe_fp8_triton(x, w13, w2, *scales, weights, ids)
+        else:
+            moe.fused_moe_triton(x, w13, w2, weights, ids)
+        signatures[tokens] = tuple(launches)
+    return signatures
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("shape", [QWEN3_30B, dict(num_local=256, hidden=7168, inter=2048, top_k=8)])
+def test_token_counts_of_one_variant_launch_the_same_binaries(monkeypatch, shape, fp8):
+    """What warm_up relies on: calls whose kernel_variants agree compile nothing new. Fails where a
+    per-call int (a count of rows, tiles or sync words) is left to Triton's specialization on 1 and
+    multiples of 16: 73fc68d's _moe_schedule_zero_kernel compiled after warm_up on the H200."""
+    variants = kernel_variants_fp8 if fp8 else kernel_variants
+    args = (shape["top_k"], shape["num_local"], shape["hidden"], shape["inter"])
+    counts = [*range(1, 300), *range(300, 4097, 37)]
+    first: dict[tuple, tuple] = {}
+    for tokens, signature in launch_signatures(monkeypatch, fp8, shape, counts).items():
+        assert signature, f"{tokens} tokens: no launch recorded"
+        warmed, expected = first.setdefault(variants(tokens, *args), (tokens, signature))
+        assert signature == expected, f"{tokens} tokens launch binaries that {warmed} (same variant) did not"
