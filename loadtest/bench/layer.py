@@ -371,6 +371,16 @@ def sweep_variants_fp8(tokens, top_k, E, H, I):
                 for s1, s2 in ((4, 5), (5, 5), (6, 5))]
         m16 = dict(m32, BLOCK_M=16)
         out += [("swap m16 s6/5", v(o1, **m16, num_stages=6), v(o2, **m16, num_stages=5, BLOCK_N=max(64, d2["BLOCK_N"])))]
+    if 12 < avg <= 32:
+        # The neighbouring regimes' tiles here (vLLM's tuned Qwen3-30B-A3B config has 64-row tiles from
+        # 256 tokens): 16-row tiles with 64-row heavy ones (pick_configs_fp8's up to 12 rows per expert),
+        # 64-row tiles (its 16-48), or 32-row tiles whose experts past 32 rows take 64-row heavy tiles
+        # (GEMM1 at 64 columns: a 128-column heavy tile would need 256 registers a thread).
+        out += [("m16 heavy64", *pick_configs_fp8(12 * E // top_k, top_k, E, H, I)),
+                ("m64", *pick_configs_fp8(-(-24 * E // top_k), top_k, E, H, I))]
+        if d1["BLOCK_M"] == 32 and not d1.get("HEAVY_M"):
+            heavy = dict(HEAVY_M=64, HEAVY_STAGES=4)
+            out += [("m32 heavy64 n64", v(d1, BLOCK_N=64, **heavy), v(d2, **heavy))]
     if avg <= 8:
         # Operands swapped, 16-row token tiles (as the bf16 decode regime): weight tiles fill the
         # shared memory, so deeper pipelines fit (GEMM1 stage 34 KB, GEMM2 2 KB + 128 B per column).

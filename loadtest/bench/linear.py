@@ -77,6 +77,19 @@ SWEEP = {
                                      TMA_A=True), None),
     "fp8 128x128 s4 w8 TMA A": (dict(BLOCK_M=128, BLOCK_N=128, num_stages=4, num_warps=8, SWAP_AB=False, GROUP_M=8,
                                      TMA_A=True), None),
+    # Block-FP8 tiles at 65-256 rows (the default: 64 x 128 on two warpgroups, 1.2 waves for a 5120-row
+    # weight at 256 rows): one warpgroup per tile (more programs per SM to hide each K block's wait for
+    # its dot before scaling it), narrower tiles (more waves, fuller last one), or swapped 64-row tiles.
+    "fp8 64x128 s4 w4 TMA A": (dict(BLOCK_M=64, BLOCK_N=128, num_stages=4, num_warps=4, SWAP_AB=False, GROUP_M=8,
+                                    TMA_A=True), None),
+    "fp8 64x64 s4 w4 TMA A": (dict(BLOCK_M=64, BLOCK_N=64, num_stages=4, num_warps=4, SWAP_AB=False, GROUP_M=8,
+                                   TMA_A=True), None),
+    "fp8 64x64 s6 w4 TMA A": (dict(BLOCK_M=64, BLOCK_N=64, num_stages=6, num_warps=4, SWAP_AB=False, GROUP_M=8,
+                                   TMA_A=True), None),
+    "fp8 128x64 s4 w8 TMA A": (dict(BLOCK_M=128, BLOCK_N=64, num_stages=4, num_warps=8, SWAP_AB=False, GROUP_M=8,
+                                    TMA_A=True), None),
+    "fp8 swap 64x64 s4": (dict(BLOCK_M=64, BLOCK_N=64, num_stages=4, num_warps=4, SWAP_AB=True, GROUP_M=1, TMA_A=False), None),
+    "fp8 swap 32x128 s4": (dict(BLOCK_M=32, BLOCK_N=128, num_stages=4, num_warps=4, SWAP_AB=True, GROUP_M=1, TMA_A=False), None),
     # Block-FP8 decode tiles (1-16 rows): a 1-byte weight tile is half a bf16 one, so the default's 4
     # stages keep half the bytes in flight; deeper or wider ones restore them.
     "fp8 swap 16x64 s8": (dict(BLOCK_M=16, BLOCK_N=64, num_stages=8, num_warps=4, SWAP_AB=True, GROUP_M=1), None),
