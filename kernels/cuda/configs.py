@@ -176,7 +176,8 @@ def pick_configs_fp8(tokens: int, top_k: int, num_local: int, hidden: int, inter
     Compiled for sm_90a (Triton 3.9, tests/kernels/test_triton_moe_fp8_compile.py) these configs use 216-228
     registers and do not spill; the 256-per-thread variants (GEMM1 BM=128 at 8 warps or BM=64 at 4,
     GEMM2 128x256 at 8) spill. Regimes by average rows per expert: up to 16, operands swapped
-    (``SWAP_AB``, weight columns on wgmma's M side, 16- or 32-row token tiles); up to 48 rows, weight
+    (``SWAP_AB``, weight columns on wgmma's M side, 16-row token tiles and 64-row ones for experts with
+    more); up to 48 rows, weight
     streaming with 64-row tiles (GEMM2 columns narrowed until >= 264 programs read weights, deeper
     pipelines); beyond, 128-row GEMM2 tiles and grouped program order. Timed on an H200 in
     loadtest/results/layer_bench_fp8.md.
@@ -185,8 +186,9 @@ def pick_configs_fp8(tokens: int, top_k: int, num_local: int, hidden: int, inter
     return dict(g1), dict(g2)
 
 
-# Rows per expert up to which FP8 decode uses 16-row tiles and GEMM1's split column tiles.
-_FP8_SPLIT_AVG_ROWS = 12
+# Rows per expert up to which FP8 decode swaps operands, with 16-row tiles and GEMM1's split
+# column tiles.
+_FP8_SPLIT_AVG_ROWS = 16
 
 
 def fp8_split_max_tokens(top_k: int, num_local: int) -> int:
@@ -200,34 +202,31 @@ def _pick_configs_fp8(tokens: int, top_k: int, num_local: int, hidden: int, inte
     avg = tokens * top_k / max(num_local, 1)
     if avg <= 48:
         busy = max(1, min(tokens * top_k, num_local))
-        swap = avg <= 16
+        swap = avg <= _FP8_SPLIT_AVG_ROWS
         bn2 = 128
         while bn2 > (64 if swap else 32) and busy * triton.cdiv(hidden, bn2) < 264:
             bn2 //= 2
         if swap:
-            # As pick_configs' decode regime: weight columns on wgmma's M side, 16- or 32-row token
-            # tiles, so the shared memory holds weight tiles and GEMM1 fits 6 stages (34-36 KB each).
-            # Sweeps at 19e0e05 and 1ff7aa2 (git history: loadtest/results/sweep_fp8_swap_19e0e05.log at bc6ca55, git history: loadtest/results/sweep_fp8_m32_1ff7aa2.log at d7a715b,
-            # DeepSeek-V3 and Kimi-K2, 1-512 tokens): 12-19% faster than 64-row tiles; 16 rows best up
-            # to 10.7 rows per expert, 32 rows at 16 (where 16-row tiles split more experts in two).
-            bm = 16 if avg <= _FP8_SPLIT_AVG_ROWS else 32
-            g1 = dict(BLOCK_M=bm, num_warps=4, num_stages=6, GROUP_M=1, SWAP_AB=True)
-            if bm == 16:
-                # GEMM1 in 64-column programs, two per activation group (the last quantizes it): twice
-                # the programs reading weights, two per SM. Sweep at 9aa0de9 (3 repeats, history.csv):
-                # Qwen3-30B-A3B 3% faster at 1 token, 9% at 8 and 32; DeepSeek-V3 3% at 1, 4% at 8;
-                # the same bits. 32-row tiles (12-16 rows per expert) not measured: unchanged.
-                g1["BLOCK_N"] = 64
-            g2 = dict(BLOCK_M=bm, BLOCK_N=bn2, num_warps=4, num_stages=5, USE_TMA=True, GROUP_M=1, SWAP_AB=True)
-            if bm == 16:
-                # Experts with more than 16 rows (hot experts) run 64-row tiles with 4-deep pipelines
-                # (HEAVY_M, chosen on the device from the counts), the others 16-row ones. Sweep at
-                # 15e3cd9 (3 repeats, history.csv): every token on the same experts 1.85x faster at
-                # DeepSeek-V3 256 tokens (0.825 -> 0.446 ms), 1.44x at 64, Qwen3-30B-A3B 64 tokens
-                # 1.20x; uniform routing within 0.6% (DeepSeek-V3 8 and 256 tokens, Qwen3-30B-A3B 64);
-                # 2-deep heavy pipelines 1.58x at DeepSeek-V3 256.
-                for g in (g1, g2):
-                    g.update(HEAVY_M=64, HEAVY_STAGES=4)
+            # As pick_configs' decode regime: weight columns on wgmma's M side, 16-row token tiles,
+            # so the shared memory holds weight tiles and GEMM1 fits 6 stages (34-36 KB each). Sweeps
+            # at 19e0e05 and 1ff7aa2 (git history: loadtest/results/sweep_fp8_swap_19e0e05.log at
+            # bc6ca55, sweep_fp8_m32_1ff7aa2.log at d7a715b; DeepSeek-V3 and Kimi-K2, 1-512 tokens):
+            # 12-19% faster than 64-row tiles. GEMM1 in 64-column programs, two per activation group
+            # (the last quantizes it): twice the programs reading weights. Sweep at 9aa0de9 (history.csv):
+            # Qwen3-30B-A3B 3% faster at 1 token, 9% at 8 and 32; DeepSeek-V3 3% at 1, 4% at 8.
+            g1 = dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=6, GROUP_M=1, SWAP_AB=True)
+            g2 = dict(BLOCK_M=16, BLOCK_N=bn2, num_warps=4, num_stages=5, USE_TMA=True, GROUP_M=1, SWAP_AB=True)
+            # Experts with more than 16 rows (hot experts, and the busy ones of skewed routing) run
+            # 64-row tiles with 4-deep pipelines (HEAVY_M, chosen on the device from the counts).
+            # Sweep at 15e3cd9 (H200, history.csv): every token on the same experts 1.85x faster at
+            # DeepSeek-V3 256 tokens (0.825 -> 0.446 ms), 1.44x at 64, Qwen3-30B-A3B 64 tokens 1.20x;
+            # uniform routing within 0.6%. At 12-16 rows per expert they replace the 32-row tiles
+            # used there before (sweeps at 9a331f9, H100, loadtest/results/sweep_fp8_9a331f9.log):
+            # skewed routing 4-5.5% faster (Qwen3-30B-A3B 240 and 256 tokens, DeepSeek-V3 512),
+            # uniform Qwen3-30B-A3B 208-240 tokens 0.4-3% faster, 256 tokens and DeepSeek-V3 448-512
+            # 0.8-1.3% slower.
+            for g in (g1, g2):
+                g.update(HEAVY_M=64, HEAVY_STAGES=4)
         else:
             g1 = dict(BLOCK_M=64, num_warps=8, num_stages=4, GROUP_M=1)
             g2 = dict(BLOCK_M=64, BLOCK_N=bn2, num_warps=4, num_stages=5, USE_TMA=True, GROUP_M=1)
@@ -247,14 +246,33 @@ def kernel_variants_fp8(tokens: int, top_k: int, num_local: int, hidden: int, in
 LINEAR_SPLIT_BELOW_TILES = _SMS
 
 
+# Block-FP8 dense layers of 65 to this many rows take one-warpgroup tiles (``_pick_linear_config``).
+_FP8_NARROW_MAX_ROWS = 512
+
+
 @functools.lru_cache(maxsize=4096)
-def _pick_linear_config(rows: int, n: int, k: int) -> tuple:
+def _pick_linear_config(rows: int, n: int, k: int, fp8: bool) -> tuple:
     if rows <= 64:
         # Decode: operands swapped (SWAP_AB), as the MoE decode regime: the weight rows are wgmma's
         # M side (64) and the 16-64 token rows its N side, so shared memory holds weight tiles.
         bm = 16 if rows <= 16 else 32 if rows <= 32 else 64
         return dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=kdim_block(k, 128), num_warps=4,
                     num_stages=4 if bm < 64 else 3, USE_TMA=True, SWAP_AB=True, GROUP_M=1).items()
+    if fp8:
+        # Block FP8 (BLOCK_K 128, one weight scale block each): every K block waits for its dot to
+        # finish before scaling it into the accumulator, and the activation tiles come by TMA from
+        # the call's quantized copy (TMA_A). Up to 512 rows one warpgroup per 64-row tile, so more
+        # programs share an SM and hide those waits; 64 columns where K is short (<= 4096) for more
+        # programs still. Sweep at 9a331f9 (H100, loadtest/results/deterministic/linear_sweep_fp8_9a331f9.md):
+        # Qwen3-30B-A3B qkv_proj 256 rows 34.5 -> 23.4 us, o_proj 44.1 -> 38.6, 512 rows 50.0 -> 38.3
+        # and 66.2 -> 46.5; DeepSeek-V3 o_proj 256 rows (K 16384, 128 columns) 196 -> 154, its other
+        # layers within +-4%. Beyond, two-warpgroup tiles (the 128 x 128 tile's products and
+        # accumulator need 248 registers a thread on two; pointer-loaded activations spilled).
+        if rows <= _FP8_NARROW_MAX_ROWS:
+            return dict(BLOCK_M=64, BLOCK_N=64 if k <= 4096 else 128, BLOCK_K=128, num_warps=4, num_stages=4,
+                        USE_TMA=True, TMA_A=True, GROUP_M=8).items()
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4, USE_TMA=True, TMA_A=True,
+                    GROUP_M=8).items()
     if rows <= 256:
         return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=kdim_block(k), num_warps=4, num_stages=4, USE_TMA=True,
                     GROUP_M=8).items()
@@ -262,8 +280,8 @@ def _pick_linear_config(rows: int, n: int, k: int) -> tuple:
                 GROUP_M=8).items()
 
 
-def pick_linear_config(rows: int, n: int, k: int) -> dict:
-    """Tile config of an ``invariant_linear`` call of ``rows`` rows with a weight ``[n, k]``: by the
-    row count, since every tile gives the same bits (kernels/linear.py). BLOCK_K divides 128 (the K
-    chunks' alignment)."""
-    return dict(_pick_linear_config(rows, n, k))
+def pick_linear_config(rows: int, n: int, k: int, *, fp8: bool = False) -> dict:
+    """Tile config of an ``invariant_linear`` call (``fp8``: ``invariant_linear_fp8``, block-FP8
+    weights) of ``rows`` rows with a weight ``[n, k]``: by the shape only, since every tile gives the
+    same bits (kernels/linear.py). BLOCK_K divides 128 (the K chunks' alignment)."""
+    return dict(_pick_linear_config(rows, n, k, fp8))

@@ -150,16 +150,9 @@ def linear_plan(rows: int, n: int, k: int, config: dict | None = None, *, fp8: b
     ``rows`` rows and a weight ``[n, k]``; shapes only. ``config`` overrides the tile; ``fp8``
     (block-FP8 weights) takes 128-column K blocks, one weight scale block each, and its prefill
     tiles read the activations by TMA (``TMA_A``)."""
-    g = dict(config) if config is not None else pick_linear_config(rows, n, k)
+    g = dict(config) if config is not None else pick_linear_config(rows, n, k, fp8=fp8)
     if fp8:
         g["BLOCK_K"] = FP8_BLOCK
-        if config is None and not g.get("SWAP_AB", False):
-            # A K block's scaled products take a second fp32 tile beside the chunk's accumulator
-            # (and a third, the chunks' total). With the activation tiles by TMA (TMA_A: this call's
-            # quantized copy) the 64 x 128 and 128 x 128 tiles compile without spills on two
-            # warpgroups (248 registers at 128 x 128); with pointer loads 128 x 128 spilled, and
-            # 64 x 128 ran at 0.3x vLLM's CUTLASS GEMM at 2048 rows (a03f8ae).
-            g.update(num_warps=8, TMA_A=True)
     chunk = k_chunk(n, k)
     tiles = triton.cdiv(rows, g["BLOCK_M"]) * triton.cdiv(n, g["BLOCK_N"])
     return g, chunk, chunk < k and tiles < LINEAR_SPLIT_BELOW_TILES

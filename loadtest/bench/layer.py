@@ -365,22 +365,27 @@ def sweep_variants_fp8(tokens, top_k, E, H, I):
     out = [("default", d1, d2)]
     avg = tokens * top_k / E
     if 8 < avg <= 32:
-        # Swapped 32-row token tiles: one tile holds an expert's rows up to ~2x the average.
+        # Swapped 32-row token tiles (s6/5: the default at 12-16 rows per expert before 9a331f9): one
+        # tile holds an expert's rows up to ~2x the average.
         m32 = dict(BLOCK_M=32, num_warps=4, SWAP_AB=True, GROUP_M=1)
-        out += [(f"swap m32 s{s1}/{s2}", v(o1, **m32, num_stages=s1), v(o2, **m32, num_stages=s2, BLOCK_N=max(64, d2["BLOCK_N"])))
+        out += [(f"swap m32 s{s1}/{s2}", v(o1, **m32, BLOCK_N=128, num_stages=s1),
+                 v(o2, **m32, num_stages=s2, BLOCK_N=max(64, d2["BLOCK_N"])))
                 for s1, s2 in ((4, 5), (5, 5), (6, 5))]
         m16 = dict(m32, BLOCK_M=16)
         out += [("swap m16 s6/5", v(o1, **m16, num_stages=6), v(o2, **m16, num_stages=5, BLOCK_N=max(64, d2["BLOCK_N"])))]
     if 12 < avg <= 32:
-        # The neighbouring regimes' tiles here (vLLM's tuned Qwen3-30B-A3B config has 64-row tiles from
-        # 256 tokens): 16-row tiles with 64-row heavy ones (pick_configs_fp8's up to 12 rows per expert),
-        # 64-row tiles (its 16-48), or 32-row tiles whose experts past 32 rows take 64-row heavy tiles
-        # (GEMM1 at 64 columns: a 128-column heavy tile would need 256 registers a thread).
-        out += [("m16 heavy64", *pick_configs_fp8(12 * E // top_k, top_k, E, H, I)),
-                ("m64", *pick_configs_fp8(-(-24 * E // top_k), top_k, E, H, I))]
-        if d1["BLOCK_M"] == 32 and not d1.get("HEAVY_M"):
-            heavy = dict(HEAVY_M=64, HEAVY_STAGES=4)
-            out += [("m32 heavy64 n64", v(d1, BLOCK_N=64, **heavy), v(d2, **heavy))]
+        # The neighbouring regime's tiles (vLLM's tuned Qwen3-30B-A3B config has 64-row tiles from 256
+        # tokens): 16-row tiles with 64-row heavy ones (pick_configs_fp8's up to 16 rows per expert)
+        # or 64-row tiles (its 16-48); and 32-row tiles whose experts past 32 rows take 64-row heavy
+        # tiles (GEMM1 at 64 columns: a 128-column heavy tile would need 256 registers a thread).
+        heavy = dict(HEAVY_M=64, HEAVY_STAGES=4)
+        out += [(label, *cfg) for label, cfg in (
+            ("m16 heavy64", pick_configs_fp8(16 * E // top_k, top_k, E, H, I)),
+            ("m64", pick_configs_fp8(-(-24 * E // top_k), top_k, E, H, I)),
+            ("m32 heavy64 n64", (v(o1, BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=6, GROUP_M=1, SWAP_AB=True, **heavy),
+                                 v(o2, BLOCK_M=32, BLOCK_N=max(64, d2["BLOCK_N"]), num_warps=4, num_stages=5,
+                                   SWAP_AB=True, GROUP_M=1, **heavy))),
+        ) if (cfg[0], cfg[1]) != (d1, d2)]
     if avg <= 8:
         # Operands swapped, 16-row token tiles (as the bf16 decode regime): weight tiles fill the
         # shared memory, so deeper pipelines fit (GEMM1 stage 34 KB, GEMM2 2 KB + 128 B per column).

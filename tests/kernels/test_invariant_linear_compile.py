@@ -1,5 +1,5 @@
 """The batch-invariant dense GEMM compiles for Hopper (sm_90a) without a GPU, for every tile config
-``linear_plan`` gives (FP8 prefill tiles with their activations by TMA), with its K chunks in one program and split over programs, bf16 and
+``linear_plan`` gives (FP8 tiles past 64 rows with their activations by TMA), with its K chunks in one program and split over programs, bf16 and
 block FP8: bf16 (or FP8) wgmma only (what its bit-for-bit invariance across tiles rests on), no
 register spills, shared memory within an SM's 227 KB; and with the per-call integers at 1 (Triton
 passes them as constants). Same method as tests/kernels/test_triton_moe_compile.py."""
@@ -9,18 +9,22 @@ from sm90_compile import compile_for_sm90, no_spills
 
 pytest.importorskip("triton")
 
-BODY = r"""
+# (rows, K): every tile linear_plan gives, bf16 and FP8 (FP8: 64 x 64 up to 512 rows where K <= 4096,
+# 64 x 128 where longer, 128 x 128 beyond 512 rows).
+POINTS = ((1, 4096), (20, 4096), (40, 4096), (100, 4096), (300, 4096), (300, 7168), (600, 4096))
+
+BODY = f"POINTS = {POINTS!r}\n" + r"""
 from mok_serve.kernels.cuda import linear as lin
 from mok_serve.kernels.cuda.configs import pick_linear_config
 
 for fp8 in (False, True):
     a = "fp8e4nv" if fp8 else "bf16"
-    for rows in (1, 20, 40, 100, 300):
-        n, k = 2048, 4096
+    for rows, k in POINTS:
+        n = 2048
         g, _, _ = lin.linear_plan(rows, n, k, fp8=fp8)
         for split in (False, True):
             for m in ((rows, 1) if rows == 1 else (rows,)):
-                build(f"linear_{a}_rows{rows}_split{int(split)}", lin._linear_kernel,
+                build(f"linear_{a}_rows{rows}_k{k}_split{int(split)}", lin._linear_kernel,
                       dict(x_ptr=f"*{a}", w_ptr=f"*{a}", w_desc=f"tensordesc<{a}[{g['BLOCK_N']}, {g['BLOCK_K']}]>",
                            x_desc=f"tensordesc<{a}[{g['BLOCK_M']}, {g['BLOCK_K']}]>" if g.get("TMA_A") else f"*{a}",
                            xs_ptr="*fp32", ws_ptr="*fp32", bias_ptr="*bf16", y_ptr="*bf16", part_ptr="*fp32"),
@@ -55,7 +59,7 @@ for m, n, chunks in ((1, 1, 1), (7, 4096, 8)):
 @pytest.mark.timeout(900)
 def test_linear_kernels_compile_for_sm90_with_bf16_wgmma_and_no_spills(tmp_path):
     results = compile_for_sm90(BODY, tmp_path)
-    assert len(results) == 2 * 10 + 1 + 1 + 2
+    assert len(results) == 2 * 2 * len(POINTS) + 1 + 1 + 2
     for name, r in results.items():
         print(name, r["shared"], r["ptxas"].strip().splitlines()[-2:])
         assert no_spills(r["ptxas"]), (name, r["ptxas"])

@@ -18,7 +18,7 @@ from mok_serve.kernels.linear import invariant_linear_fp8_reference  # noqa: E40
 from moe_test_utils import rel_err  # noqa: E402
 from test_invariant_linear_fp8 import float64_reference, fp8_inputs  # noqa: E402
 
-ROW_COUNTS = (1, 20, 40, 100, 300)  # one of each config pick_linear_config gives
+ROW_COUNTS = (1, 20, 40, 100, 300, 600)  # one of each config pick_linear_config gives (bf16 or FP8)
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 128, 1024), (5, 100, 1100), (19, 256, 1536), (3, 130, 96)])
@@ -26,8 +26,9 @@ def test_every_tile_matches_the_reference_and_splitting_keeps_its_bits(m, n, k):
     x, wq, ws, b = fp8_inputs(m, n, k, seed=m + n + k)
     ref = invariant_linear_fp8_reference(x, wq, ws, b)
     assert rel_err(ref, float64_reference(x, wq, ws, b)) <= 1e-2
-    for rows in ROW_COUNTS:
-        cfg = configs.pick_linear_config(rows, n, k)
+    distinct = {tuple(sorted(configs.pick_linear_config(rows, n, k, fp8=fp8).items()))
+                for rows in ROW_COUNTS for fp8 in (False, True)}
+    for cfg in map(dict, sorted(distinct)):
         whole = invariant_linear_fp8_triton(x, wq, ws, b, config=cfg, split=False)
         assert not torch.isnan(whole).any()
         assert torch.equal(invariant_linear_fp8_triton(x, wq, ws, b, config=cfg, split=True), whole), cfg

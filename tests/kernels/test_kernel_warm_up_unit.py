@@ -25,7 +25,8 @@ def test_qwen3_30b_counts_and_why():
     # streaming (> 8 rows per expert); 257: the schedule's widest block (> 2048 rows); 769: 128-row
     # tiles (> 48 rows per expert); 2561: 3 pipeline stages (> 160 rows per expert).
     assert warm_up_token_counts(**QWEN3_30B, max_tokens=8192) == [1, 2, 3, 33, 129, 257, 769, 2561]
-    assert warm_up_token_counts(**QWEN3_30B, max_tokens=8192, fp8=True) == [1, 3, 33, 193, 257, 769]
+    # FP8: 257 is also where swapped 16-row tiles give way to 64-row ones (> 16 rows per expert).
+    assert warm_up_token_counts(**QWEN3_30B, max_tokens=8192, fp8=True) == [1, 3, 33, 257, 769]
     assert warm_up_token_counts(**QWEN3_30B, max_tokens=512) == [1, 2, 3, 33, 129, 257]
 
 
@@ -77,9 +78,11 @@ def test_qwen3_30b_qkv_rows_and_why():
 def test_fp8_prefill_tiles_read_activations_by_tma():
     from mok_serve.kernels.cuda.linear import linear_plan
 
-    for rows, block_m in ((65, 64), (256, 64), (257, 128), (8192, 128)):
-        config, _, _ = linear_plan(rows, 5120, 2048, fp8=True)
-        assert (config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"], config["num_warps"]) == (block_m, 128, 128, 8)
+    # One warpgroup per 64-row tile up to 512 rows (64 columns where K <= 4096), then two per 128 x 128.
+    for rows, k, tile in ((65, 2048, (64, 64, 4)), (512, 4096, (64, 64, 4)), (256, 16384, (64, 128, 4)),
+                          (513, 2048, (128, 128, 8)), (8192, 2048, (128, 128, 8))):
+        config, _, _ = linear_plan(rows, 5120, k, fp8=True)
+        assert (config["BLOCK_M"], config["BLOCK_N"], config["num_warps"]) == tile and config["BLOCK_K"] == 128
         assert config["TMA_A"] and not config.get("SWAP_AB")
     for rows in (1, 64):  # decode: swapped operands, activations by pointer loads
         config, _, _ = linear_plan(rows, 5120, 2048, fp8=True)

@@ -2,9 +2,9 @@
 
 Compiled as a launch would specialize them (16-byte aligned pointers, ints divisible by 16 marked,
 unit strides constant) with the block sizes ``pick_configs_fp8`` chooses for DeepSeek-V3 in each
-regime (swapped 16- and 32-row tiles at 1 and 512 tokens, 64-row tiles at 1024, 128-row ones at
-4096; and the sweep's 64-row and half-tail GEMM2 tiles there; both GEMMs as one launch, and 64-row
-hot-expert tiles beside the 16-row ones, at 1 token), then
+regime (swapped 16-row tiles with 64-row hot-expert ones at 1 and 512 tokens, 64-row tiles at 1024,
+128-row ones at 4096; and the sweep's 64-row and half-tail GEMM2 tiles there; at 1 token GEMM1 at
+other widths and both GEMMs as one launch), then
 ``ptxas -v`` reports registers and spills. Runs in a subprocess because the tests' conftest puts
 Triton into interpreter mode on CPU-only machines. The GPU machine's Triton (3.6) may compile
 differently from the one here; this catches type errors, spills and lost wgmma early.
@@ -25,7 +25,8 @@ for tokens in (1, 512, 1024, 4096):
     # As picked (at 1 token 64-column programs, two per activation group), there also with 128 and 32,
     # and with the sweep's hot-expert tiles (64 rows, 4 stages, beside the 16-row ones).
     bn = g1.get("BLOCK_N", 128)
-    for suffix, bn, heavy in (("", bn, {}),) + (
+    picked = {k: g1[k] for k in ("HEAVY_M", "HEAVY_STAGES") if k in g1}
+    for suffix, bn, heavy in (("", bn, picked),) + (
             (("_n128", 128, {}), ("_n32", 32, {}), ("_heavy64", bn, HEAVY)) if tokens == 1 else ()):
         build(f"gemm1{suffix}_T{tokens}", tf._fp8_gemm1_kernel,
               dict(xq_ptr=ptr("fp8e4nv"), xs_ptr=ptr("fp32"), w_ptr=ptr("fp8e4nv"), ws_ptr=ptr("fp32"),

@@ -360,15 +360,17 @@ def test_pick_configs_static_wgmma_sized_and_within_registers():
             avg = tokens * top_k / experts
             assert g1.get("SWAP_AB", False) == g2.get("SWAP_AB", False) == (avg <= 16)
             if avg <= 16:  # wgmma's M side: the weight columns (GEMM1's gate/up tile is 256 wide)
-                assert g1["BLOCK_M"] == g2["BLOCK_M"] == (16 if avg <= 12 else 32) and g2["BLOCK_N"] >= 64
+                assert g1["BLOCK_M"] == g2["BLOCK_M"] == 16 and g2["BLOCK_N"] >= 64
+                assert g1["HEAVY_M"] == g2["HEAVY_M"] == 64  # experts with more than 16 rows
             else:
                 assert g1["BLOCK_M"] >= 64 and g2["BLOCK_M"] >= 64
             # fp32 accumulator + one K block's dot result: at most 128 registers per thread (configs
             # above that spilled when compiled for sm_90a; see test_triton_moe_fp8_compile.py).
             bn1 = g1.get("BLOCK_N", tf.GROUP)  # 64 (two programs per activation group) at 16-row tiles
-            assert bn1 == (64 if avg <= 16 and g1["BLOCK_M"] == 16 else 128)
-            assert 2 * g1["BLOCK_M"] * 2 * bn1 // (32 * g1["num_warps"]) <= 128
-            assert 2 * g2["BLOCK_M"] * g2["BLOCK_N"] // (32 * g2["num_warps"]) <= 128
+            assert bn1 == (64 if avg <= 16 else 128)
+            rows1, rows2 = g1.get("HEAVY_M") or g1["BLOCK_M"], g2.get("HEAVY_M") or g2["BLOCK_M"]
+            assert 2 * rows1 * 2 * bn1 // (32 * g1["num_warps"]) <= 128
+            assert 2 * rows2 * g2["BLOCK_N"] // (32 * g2["num_warps"]) <= 128
             # Pipelined fp8 A and B tiles fit in shared memory (227 KB per block on Hopper).
             assert g1["num_stages"] * (g1["BLOCK_M"] + 2 * bn1) * tf.GROUP <= 216 * 1024
             assert g2["num_stages"] * (g2["BLOCK_M"] + g2["BLOCK_N"]) * tf.GROUP <= 216 * 1024

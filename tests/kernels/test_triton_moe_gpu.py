@@ -34,8 +34,10 @@ def weights_for(family, dtype=torch.bfloat16):
         s = SHAPES[family]
         E, H, I = s["routed_experts"], s["hidden"], s["moe_intermediate"]
         g = torch.Generator(device=DEV).manual_seed(fresh_seed())
-        w13 = torch.randn(E, 2 * I, H, device=DEV, dtype=dtype, generator=g) / H**0.5
-        w2 = torch.randn(E, H, I, device=DEV, dtype=dtype, generator=g) / I**0.5
+        # Scaled in place: the caller may still hold the previous family's weights, and Kimi-K2's w13
+        # alone is 21 GiB (an 80 GB H100 ran out of memory with a scaled copy beside it).
+        w13 = torch.randn(E, 2 * I, H, device=DEV, dtype=dtype, generator=g).div_(H**0.5)
+        w2 = torch.randn(E, H, I, device=DEV, dtype=dtype, generator=g).div_(I**0.5)
         return w13, w2
 
     return cached_weights((family, dtype), make)
