@@ -290,12 +290,12 @@ def test_ep_fp8_equals_one_gpu_fp8_kernel_bitwise(world, return_mode, cases):
 
 
 def test_ep_fp8_split_tiles_only_below_their_token_bound():
-    # 2 local experts, top-4: GEMM1's split tiles (and their act_h rows) for calls of <= 6 tokens,
+    # 1 local expert, top-4: GEMM1's split tiles (and their act_h rows) for calls of <= 4 tokens,
     # fewer than the workspace's 8. Calls on both sides of that bound, and one whose own rank has 2
     # tokens but whose bound is 8 (the configs follow the bound the rows are laid out for).
-    world, num_experts = 4, 8
+    world, num_experts = 4, 4
     split_max = fp8_split_max_tokens(TOP_K, num_experts // world)
-    assert split_max == 6 < MAX_T
+    assert split_max == 4 < MAX_T
     ranks, placement, _ = make_ranks(world, num_experts, quant="fp8", hidden=HIDDEN_F8)
     for call, counts in enumerate([(6, 2, 5, 0), (MAX_T, 3, 7, 1), (2, 2, 2, 2), (2, 0, 1, MAX_T)]):
         x, fp8, weights, ids = global_inputs_fp8(60 + call, counts, num_experts)

@@ -80,15 +80,17 @@ def test_deepseek_v3_token_counts():
 
 
 def test_tile_regimes_give_the_same_bits():
-    """Swapped 16- and 32-row tiles, 64- and 128-row tiles, and the sweep's 64-row 4-warp and
-    half-tail GEMM2 tiles: every row gets the same bits."""
+    """Swapped 16-row tiles (with 64-row hot-expert ones), 64- and 128-row tiles, and the sweep's
+    swapped 32-row tiles and 64-row 4-warp and half-tail GEMM2 tiles: every row gets the same bits."""
     fp8 = weights_for("DeepSeek-V3")
     E, H, I = fp8[0].shape[0], fp8[0].shape[2], fp8[1].shape[2]
     g = torch.Generator(device=DEV).manual_seed(fresh_seed())
     regimes = [pick_configs_fp8(t, 8, E, H, I) for t in (1, 512, 1024, 4096)]
-    assert [c[0]["BLOCK_M"] for c in regimes] == [16, 32, 64, 64] and regimes[3][1]["BLOCK_M"] == 128
+    assert [c[0]["BLOCK_M"] for c in regimes] == [16, 16, 64, 64] and regimes[3][1]["BLOCK_M"] == 128
     g1, g2 = regimes[3]
-    regimes += [(g1, dict(g2, BLOCK_M=64, num_warps=4)), (g1, dict(g2, HALF_TAIL=True))]
+    m32 = dict(BLOCK_M=32, BLOCK_N=128)  # GEMM1 at 128 columns: 32 x 256 swapped tiles, 4 warps
+    regimes += [(g1, dict(g2, BLOCK_M=64, num_warps=4)), (g1, dict(g2, HALF_TAIL=True)),
+                tuple(dict(one_height(c), **m32) for c in regimes[1])]
     for tokens in (3, 200, 2000):
         x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16, generator=g)
         tw, ids = routing(tokens, E, 8, gen=g)
