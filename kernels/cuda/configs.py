@@ -261,16 +261,22 @@ def _pick_linear_config(rows: int, n: int, k: int, fp8: bool) -> tuple:
     if fp8:
         # Block FP8 (BLOCK_K 128, one weight scale block each): every K block waits for its dot to
         # finish before scaling it into the accumulator, and the activation tiles come by TMA from
-        # the call's quantized copy (TMA_A). Up to 512 rows one warpgroup per 64-row tile, so more
-        # programs share an SM and hide those waits; 64 columns where K is short (<= 4096) for more
-        # programs still. Sweep at 9a331f9 (H100, loadtest/results/deterministic/linear_sweep_fp8_9a331f9.md):
-        # Qwen3-30B-A3B qkv_proj 256 rows 34.5 -> 23.4 us, o_proj 44.1 -> 38.6, 512 rows 50.0 -> 38.3
-        # and 66.2 -> 46.5; DeepSeek-V3 o_proj 256 rows (K 16384, 128 columns) 196 -> 154, its other
-        # layers within +-4%. Beyond, two-warpgroup tiles (the 128 x 128 tile's products and
-        # accumulator need 248 registers a thread on two; pointer-loaded activations spilled).
+        # the call's quantized copy (TMA_A). Up to 512 rows, 64-row tiles on one warpgroup, so more
+        # programs share an SM and hide those waits: 64 columns where K is short (<= 4096), else
+        # 128, on two warpgroups where those tiles are fewer than the SMs (their K then splits).
+        # Sweeps at 9a331f9 and ef62cf1 (H100, loadtest/results/deterministic/linear_sweep_fp8_*.md),
+        # against the 64 x 128 two-warpgroup tile: Qwen3-30B-A3B qkv_proj 256 rows 34.5 -> 23.4 us,
+        # o_proj 44.1 -> 38.6, 512 rows 50.0 -> 38.3 and 66.2 -> 46.5; DeepSeek-V3 o_proj 256 rows
+        # (K 16384, 224 tiles) 196 -> 154, q_b_proj and kv_b_proj within 2%; with K 7168 and 68 or 128
+        # tiles (qkv_a_proj, shared_gate_up) one warpgroup was 4-26% slower. Beyond 512 rows, two-warpgroup
+        # 128 x 128 tiles (products and accumulator need 248 registers a thread on two).
         if rows <= _FP8_NARROW_MAX_ROWS:
-            return dict(BLOCK_M=64, BLOCK_N=64 if k <= 4096 else 128, BLOCK_K=128, num_warps=4, num_stages=4,
-                        USE_TMA=True, TMA_A=True, GROUP_M=8).items()
+            if k <= 4096:
+                return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, USE_TMA=True,
+                            TMA_A=True, GROUP_M=8).items()
+            warps = 4 if triton.cdiv(rows, 64) * triton.cdiv(n, 128) >= _SMS else 8
+            return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=warps, num_stages=4, USE_TMA=True,
+                        TMA_A=True, GROUP_M=8).items()
         return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4, USE_TMA=True, TMA_A=True,
                     GROUP_M=8).items()
     if rows <= 256:

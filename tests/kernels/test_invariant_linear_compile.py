@@ -9,9 +9,10 @@ from sm90_compile import compile_for_sm90, no_spills
 
 pytest.importorskip("triton")
 
-# (rows, K): every tile linear_plan gives, bf16 and FP8 (FP8: 64 x 64 up to 512 rows where K <= 4096,
-# 64 x 128 where longer, 128 x 128 beyond 512 rows).
-POINTS = ((1, 4096), (20, 4096), (40, 4096), (100, 4096), (300, 4096), (300, 7168), (600, 4096))
+# (rows, N, K): every tile linear_plan gives, bf16 and FP8 (FP8 up to 512 rows: 64 x 64 where K <= 4096,
+# else 64 x 128 on one or two warpgroups; 128 x 128 beyond).
+POINTS = ((1, 2048, 4096), (20, 2048, 4096), (40, 2048, 4096), (100, 2048, 4096), (300, 2048, 4096),
+          (300, 2048, 7168), (256, 7168, 16384), (600, 2048, 4096))
 
 BODY = f"POINTS = {POINTS!r}\n" + r"""
 from mok_serve.kernels.cuda import linear as lin
@@ -19,12 +20,11 @@ from mok_serve.kernels.cuda.configs import pick_linear_config
 
 for fp8 in (False, True):
     a = "fp8e4nv" if fp8 else "bf16"
-    for rows, k in POINTS:
-        n = 2048
+    for rows, n, k in POINTS:
         g, _, _ = lin.linear_plan(rows, n, k, fp8=fp8)
         for split in (False, True):
             for m in ((rows, 1) if rows == 1 else (rows,)):
-                build(f"linear_{a}_rows{rows}_k{k}_split{int(split)}", lin._linear_kernel,
+                build(f"linear_{a}_rows{rows}_n{n}_k{k}_split{int(split)}", lin._linear_kernel,
                       dict(x_ptr=f"*{a}", w_ptr=f"*{a}", w_desc=f"tensordesc<{a}[{g['BLOCK_N']}, {g['BLOCK_K']}]>",
                            x_desc=f"tensordesc<{a}[{g['BLOCK_M']}, {g['BLOCK_K']}]>" if g.get("TMA_A") else f"*{a}",
                            xs_ptr="*fp32", ws_ptr="*fp32", bias_ptr="*bf16", y_ptr="*bf16", part_ptr="*fp32"),

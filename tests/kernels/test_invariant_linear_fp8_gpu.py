@@ -61,7 +61,9 @@ def test_a_row_has_the_same_bits_at_every_row_count(n, k):
 
 def test_every_tile_split_and_tma_gives_the_same_bits():
     g = torch.Generator(device=DEV).manual_seed(fresh_seed())
-    for n, k in [(2048, 4096), (1000, 1100), (576, 7168)]:
+    # K > 4096: 64 x 128 tiles on two warpgroups (576 x 7168), and on one where they fill the SMs
+    # (3584 x 4608 at 300 rows: 5 x 28 tiles)
+    for n, k in [(2048, 4096), (1000, 1100), (576, 7168), (3584, 4608)]:
         wq, ws, b = _weights(n, k, g)
         x = torch.randn(70, k, device=DEV, generator=g).to(torch.bfloat16)
         first = None

@@ -78,10 +78,13 @@ def test_qwen3_30b_qkv_rows_and_why():
 def test_fp8_prefill_tiles_read_activations_by_tma():
     from mok_serve.kernels.cuda.linear import linear_plan
 
-    # One warpgroup per 64-row tile up to 512 rows (64 columns where K <= 4096), then two per 128 x 128.
-    for rows, k, tile in ((65, 2048, (64, 64, 4)), (512, 4096, (64, 64, 4)), (256, 16384, (64, 128, 4)),
-                          (513, 2048, (128, 128, 8)), (8192, 2048, (128, 128, 8))):
-        config, _, _ = linear_plan(rows, 5120, k, fp8=True)
+    # Up to 512 rows 64-row tiles: 64 columns where K <= 4096; else 128, on one warpgroup where they
+    # fill the SMs (4 x 56 tiles at 256 rows of a 7168-row weight), two where not (4 x 17); beyond,
+    # 128 x 128 on two.
+    for rows, n, k, tile in ((65, 5120, 2048, (64, 64, 4)), (512, 5120, 4096, (64, 64, 4)),
+                             (256, 7168, 16384, (64, 128, 4)), (256, 2112, 7168, (64, 128, 8)),
+                             (513, 5120, 2048, (128, 128, 8)), (8192, 5120, 2048, (128, 128, 8))):
+        config, _, _ = linear_plan(rows, n, k, fp8=True)
         assert (config["BLOCK_M"], config["BLOCK_N"], config["num_warps"]) == tile and config["BLOCK_K"] == 128
         assert config["TMA_A"] and not config.get("SWAP_AB")
     for rows in (1, 64):  # decode: swapped operands, activations by pointer loads
