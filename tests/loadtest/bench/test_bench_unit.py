@@ -69,8 +69,10 @@ def test_fp8_sweep_offers_both_gemm1_column_tiles_at_decode_only():
 
     decode = {label: g1 for label, g1, _ in sweep_variants_fp8(1, 8, 128, 2048, 768)}  # 16-row tiles
     assert [decode[m]["BLOCK_N"] for m in ("default", "g1 n128", "g1 n64 s4", "g1 n64 s8", "g1 n32")] == [64, 128, 64, 64, 32]
-    wider = {label: g1 for label, g1, _ in sweep_variants_fp8(512, 8, 256, 7168, 2048)}  # 32-row tiles
-    assert wider["default"].get("BLOCK_N", 128) == 128 and wider["g1 n64"]["BLOCK_N"] == 64
+    wider = {label: g1 for label, g1, _ in sweep_variants_fp8(512, 8, 256, 7168, 2048)}  # 16 rows per expert
+    assert wider["default"]["BLOCK_N"] == 64 and wider["g1 n128"]["BLOCK_N"] == 128
+    # The 32-row swapped tiles (the default there before 9a331f9's sweep) at 128 columns.
+    assert (wider["swap m32 s6/5"]["BLOCK_M"], wider["swap m32 s6/5"]["BLOCK_N"]) == (32, 128)
     streaming = [label for label, _, _ in sweep_variants_fp8(4096, 8, 128, 2048, 768)]
     assert not any(label.startswith("g1 n64") for label in streaming)
     # From 48 rows per expert, GEMM2 in 64-row tiles (vLLM's) beside the default 128-row ones.
@@ -94,7 +96,7 @@ def test_fp8_sweep_offers_hot_expert_variants():
     # Without them, and the one-launch kernel (tiles of one height) never with them.
     for label in ("no heavy", "one launch", "one launch n32"):
         assert not any(k in g for g in decode[label] for k in ("HEAVY_M", "HEAVY_STAGES")), label
-    assert not any(label.startswith("heavy") for label, _, _ in sweep_variants_fp8(512, 8, 256, 7168, 2048))
+    assert not any(label.startswith("heavy") for label, _, _ in sweep_variants_fp8(1024, 8, 256, 7168, 2048))
     streaming = {label: (g1, g2) for label, g1, g2 in sweep_variants_fp8(1024, 8, 256, 7168, 2048)}  # 32 rows
     assert [streaming[f"group{g}"][i]["GROUP_M"] for g in (4, 8) for i in (0, 1)] == [4, 4, 8, 8]
 
