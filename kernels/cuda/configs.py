@@ -270,14 +270,14 @@ def _pick_linear_config(rows: int, n: int, k: int, fp8: bool) -> tuple:
         # (K 16384, 224 tiles) 196 -> 154, q_b_proj and kv_b_proj within 2%; with K 7168 and 68 or 128
         # tiles (qkv_a_proj, shared_gate_up) one warpgroup was 4-26% slower. Beyond 512 rows, two-warpgroup
         # 128 x 128 tiles (products and accumulator need 248 registers a thread on two).
-        if rows <= _FP8_NARROW_MAX_ROWS:
-            if k <= 4096:
-                return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, USE_TMA=True,
-                            TMA_A=True, GROUP_M=8).items()
-            warps = 4 if triton.cdiv(rows, 64) * triton.cdiv(n, 128) >= _SMS else 8
-            return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=warps, num_stages=4, USE_TMA=True,
-                        TMA_A=True, GROUP_M=8).items()
-        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4, USE_TMA=True, TMA_A=True,
+        if rows > _FP8_NARROW_MAX_ROWS:
+            bm, bn, warps = 128, 128, 8
+        elif k <= 4096:
+            bm, bn, warps = 64, 64, 4
+        else:
+            bm, bn = 64, 128
+            warps = 4 if triton.cdiv(rows, bm) * triton.cdiv(n, bn) >= _SMS else 8
+        return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, num_warps=warps, num_stages=4, USE_TMA=True, TMA_A=True,
                     GROUP_M=8).items()
     if rows <= 256:
         return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=kdim_block(k), num_warps=4, num_stages=4, USE_TMA=True,

@@ -56,6 +56,11 @@ DENSE_LAYERS = {
 }
 
 
+def _fp8_tile(bm: int, bn: int, stages: int, warps: int, *, tma_a: bool = True) -> dict:
+    """A block-FP8 prefill tile's overrides (operands in order, grouped program order)."""
+    return dict(BLOCK_M=bm, BLOCK_N=bn, num_stages=stages, num_warps=warps, SWAP_AB=False, GROUP_M=8, TMA_A=tma_a)
+
+
 # Tile variants of the sweep: label -> (config overrides of pick_linear_config's, split override).
 SWEEP = {
     "default": ({}, None),
@@ -69,25 +74,17 @@ SWEEP = {
     "swap 64x64 s4": (dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_stages=4, num_warps=4, SWAP_AB=True, GROUP_M=1), None),
     "swap 16x128 s4": (dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_stages=4, num_warps=4, SWAP_AB=True, GROUP_M=1), None),
     # Block-FP8 prefill tiles (BLOCK_K is 128 there whatever the label says), activations by TMA or not.
-    "fp8 64x128 w8 pointer A": (dict(BLOCK_M=64, BLOCK_N=128, num_stages=4, num_warps=8, SWAP_AB=False, GROUP_M=8,
-                                     TMA_A=False), None),
-    "fp8 64x128 w8 TMA A": (dict(BLOCK_M=64, BLOCK_N=128, num_stages=4, num_warps=8, SWAP_AB=False, GROUP_M=8,
-                                 TMA_A=True), None),
-    "fp8 128x128 s3 w8 TMA A": (dict(BLOCK_M=128, BLOCK_N=128, num_stages=3, num_warps=8, SWAP_AB=False, GROUP_M=8,
-                                     TMA_A=True), None),
-    "fp8 128x128 s4 w8 TMA A": (dict(BLOCK_M=128, BLOCK_N=128, num_stages=4, num_warps=8, SWAP_AB=False, GROUP_M=8,
-                                     TMA_A=True), None),
-    # Block-FP8 tiles at 65-256 rows (the default: 64 x 128 on two warpgroups, 1.2 waves for a 5120-row
-    # weight at 256 rows): one warpgroup per tile (more programs per SM to hide each K block's wait for
-    # its dot before scaling it), narrower tiles (more waves, fuller last one), or swapped 64-row tiles.
-    "fp8 64x128 s4 w4 TMA A": (dict(BLOCK_M=64, BLOCK_N=128, num_stages=4, num_warps=4, SWAP_AB=False, GROUP_M=8,
-                                    TMA_A=True), None),
-    "fp8 64x64 s4 w4 TMA A": (dict(BLOCK_M=64, BLOCK_N=64, num_stages=4, num_warps=4, SWAP_AB=False, GROUP_M=8,
-                                   TMA_A=True), None),
-    "fp8 64x64 s6 w4 TMA A": (dict(BLOCK_M=64, BLOCK_N=64, num_stages=6, num_warps=4, SWAP_AB=False, GROUP_M=8,
-                                   TMA_A=True), None),
-    "fp8 128x64 s4 w8 TMA A": (dict(BLOCK_M=128, BLOCK_N=64, num_stages=4, num_warps=8, SWAP_AB=False, GROUP_M=8,
-                                    TMA_A=True), None),
+    "fp8 64x128 w8 pointer A": (_fp8_tile(64, 128, 4, 8, tma_a=False), None),
+    "fp8 64x128 w8 TMA A": (_fp8_tile(64, 128, 4, 8), None),
+    "fp8 128x128 s3 w8 TMA A": (_fp8_tile(128, 128, 3, 8), None),
+    "fp8 128x128 s4 w8 TMA A": (_fp8_tile(128, 128, 4, 8), None),
+    # Block-FP8 tiles at 65-512 rows (the default up to ef62cf1: 64 x 128 on two warpgroups, 1.2 waves for
+    # a 5120-row weight at 256 rows): one warpgroup per tile (more programs per SM to hide each K block's
+    # wait for its dot before scaling it), narrower tiles (more waves, fuller last one), or swapped ones.
+    "fp8 64x128 s4 w4 TMA A": (_fp8_tile(64, 128, 4, 4), None),
+    "fp8 64x64 s4 w4 TMA A": (_fp8_tile(64, 64, 4, 4), None),
+    "fp8 64x64 s6 w4 TMA A": (_fp8_tile(64, 64, 6, 4), None),
+    "fp8 128x64 s4 w8 TMA A": (_fp8_tile(128, 64, 4, 8), None),
     "fp8 swap 64x64 s4": (dict(BLOCK_M=64, BLOCK_N=64, num_stages=4, num_warps=4, SWAP_AB=True, GROUP_M=1, TMA_A=False), None),
     "fp8 swap 32x128 s4": (dict(BLOCK_M=32, BLOCK_N=128, num_stages=4, num_warps=4, SWAP_AB=True, GROUP_M=1, TMA_A=False), None),
     # Block-FP8 decode tiles (1-16 rows): a 1-byte weight tile is half a bf16 one, so the default's 4
