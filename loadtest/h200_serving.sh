@@ -17,7 +17,9 @@
 # (OUT/BACKEND/vllm_bench.json) for the cross-check. WORKLOADS="512:256:c=1,64 ..." replaces the
 # grid (e.g. a short check). PORT (default 8321; the second server PORT+1) lets servers on different
 # GPUs of one machine run side by side (CUDA_VISIBLE_DEVICES picks each one's GPU). Set MOK_COMMIT
-# where the tree has no .git. Runs on the device machine, vLLM from ../shared/gpu-vllm.
+# where the tree has no .git. WEIGHT_GIB (build-model's --weight-gib, default its own 80) picks how many
+# layers a deep shape keeps: two DeepSeek-V3 servers share an H200 at 30 (3 dense + 2 MoE layers).
+# Runs on the device machine, vLLM from ../shared/gpu-vllm.
 set -euo pipefail
 shape=$1 out=$3 rate=${4:-24}
 IFS=, read -ra backends <<<"$2"
@@ -25,8 +27,9 @@ IFS=, read -ra backends <<<"$2"
 memory=()
 (( ${#backends[@]} == 1 )) || memory=(--gpu-memory-utilization "${GPU_UTIL:-0.45}" \
   --kv-cache-memory-bytes $(( ${KV_GIB:-24} << 30 )))
-model=/tmp/models/$shape
-mkdir -p /tmp/models && flock /tmp/models/.lock mok-serve build-model --shape "$shape" --out "$model"
+model=/tmp/models/$shape${WEIGHT_GIB:+-$WEIGHT_GIB}
+mkdir -p /tmp/models && flock /tmp/models/.lock mok-serve build-model --shape "$shape" --out "$model" \
+  ${WEIGHT_GIB:+--weight-gib "$WEIGHT_GIB"}
 [[ $shape == deepseek* ]] && export VLLM_MLA_DISABLE=1  # the kit has no FlashAttention/FlashInfer for MLA
 
 servers=()
