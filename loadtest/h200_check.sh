@@ -11,7 +11,7 @@
 #   bash loadtest/h200_check.sh linear-fp8 OUT [ARGS...] # mok-loadtest linear --fp8: block FP8 against vLLM's GEMMs
 #   bash loadtest/h200_check.sh sweep-linear OUT [ARGS...]  # its tile variants at prefill-sized points
 #   bash loadtest/h200_check.sh attention OUT [ARGS...]  # mok-loadtest attention: invariant attention against vLLM's
-#   bash loadtest/h200_check.sh step-profile OUT SHAPE MOE_BACKEND [ARGS...]  # one decode step at c=1 (ARGS:
+#   bash loadtest/h200_check.sh step-profile OUT SHAPE MOE_BACKEND [ARGS...]  # one decode step at c=1 or --batch N (ARGS:
 #                                                      # --deterministic, --prefill-prompts P, --input-len N...)
 # ARGS go to `mok-loadtest layer` (e.g. --shapes, --tokens). `tests` needs no vLLM (a session's
 # first call); the layer steps need vLLM staged from ../shared/gpu-vllm (else no vLLM column).

@@ -37,8 +37,10 @@ TOL = 1e-2
 PAGE = 16
 MAX_MODEL_LEN = 8192  # the bound a server passes (its max_model_len)
 
-# (query heads, KV heads, head size) of the served shapes (public configs).
-HEADS = {"Qwen3-30B-A3B": (32, 4, 128), "GLM-4.5-Air": (96, 8, 128)}
+# (query heads, KV heads, head size) of the served shapes (public configs). DeepSeek-V3-MHA: its
+# attention as vLLM runs it with VLLM_MLA_DISABLE=1 (the GPU kit has no MLA backend): 128 heads
+# of 192 (128 + 64 rope), values zero-padded from 128 to 192 in the cache.
+HEADS = {"Qwen3-30B-A3B": (32, 4, 128), "GLM-4.5-Air": (96, 8, 128), "DeepSeek-V3-MHA": (128, 128, 192)}
 # name -> (query tokens, KV length) per sequence; a sequence's queries are its last tokens.
 CALLS = {
     "decode 1 x 512": [(1, 512)],
@@ -74,7 +76,8 @@ def make_call(seqs, heads: int, kv_heads: int, head: int, gen) -> dict:
     for i, n in enumerate(pages):
         table[i, :n] = perm[used : used + n]
         used += n
-    kv = torch.randn(total, PAGE, kv_heads, 2 * head, device="cuda", generator=gen).to(torch.bfloat16)
+    # Drawn in bf16: an fp32 draw of DeepSeek-V3-MHA's 256 x 1024 cache alone would take 52 GB.
+    kv = torch.randn(total, PAGE, kv_heads, 2 * head, device="cuda", generator=gen, dtype=torch.bfloat16)
     k, v = kv.split(head, dim=-1)  # strided views of one cache, as vLLM's
     tokens = sum(n for n, _ in seqs)
     q = torch.randn(tokens, heads, head, device="cuda", generator=gen).to(torch.bfloat16)

@@ -1,10 +1,12 @@
-"""mok-loadtest step-profile: where one decode step's GPU time goes, for one request alone (c=1),
-and with ``--prefill-prompts P`` where a prefill of P prompts together goes.
+"""mok-loadtest step-profile: where one decode step's GPU time goes, for one request alone (c=1) or
+``--batch N`` requests decoding together (c=N), and with ``--prefill-prompts P`` where a prefill of P
+prompts together goes.
 
 Builds MODEL in this process with vLLM's offline engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the
 torch profiler sees the model's kernels; vLLM's defaults otherwise: torch.compile, CUDA graphs),
-then profiles two greedy generations of the same random prompt: 1 output token (the prefill) and
-1 + ``--decode-steps`` tokens. Their difference, divided by the steps, is one decode step: wall
+then profiles two greedy generations of the same ``--batch`` random prompts, submitted together: 1
+output token each (the prefill) and 1 + ``--decode-steps`` tokens each. Their difference, divided by
+the steps, is one decode step of ``--batch`` sequences: wall
 time, and GPU kernel time by kernel and by kind (dense GEMM, MoE, attention, norms, sampling,
 other). ``--prefill-prompts P`` also profiles one generation of 1 token for each of P different
 random prompts of ``--input-len`` tokens, submitted together (vLLM chunks them into steps of its
@@ -87,10 +89,11 @@ def _tables(part: dict, unit: str) -> list[str]:
 
 def markdown(result: dict) -> str:
     step = result["decode_step"]
-    lines = [f"# One decode step at c=1: {result['label']}", "",
+    lines = [f"# One decode step at c={result['batch']}: {result['label']}", "",
              f"- model `{result['model']}`, `--moe-backend {result['moe_backend']}`, deterministic: "
              f"{result['deterministic']}; {result['gpu']}, commit {result['commit']}, vLLM {result['vllm']}",
-             f"- prompt {result['input_len']} tokens, {result['decode_steps']} decode steps measured",
+             f"- {result['batch']} prompt(s) of {result['input_len']} tokens, {result['decode_steps']} decode "
+             "steps measured",
              f"- wall time per decode step: {step['wall_ms']:.3f} ms; GPU kernel time: {step['gpu_us'] / 1e3:.3f} ms", "",
              *_tables(step, "per step")]
     prefill = result.get("prefill")
@@ -112,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--decode-steps", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1,
+                   help="sequences decoding together in the profiled steps (c=N; default: 1)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--prefill-prompts", type=int, default=0,
                    help="also profile the prefill of this many --input-len prompts submitted together (default: 0, off)")
@@ -119,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--label", default=None, help="result file label (default: backend and mode)")
     p.add_argument("--out", default=".", help="folder for step_profile_<label>.{json,md}")
     args = p.parse_args(argv)
-    if args.input_len < 1 or args.decode_steps < 1 or args.prefill_prompts < 0:
-        p.error("--input-len and --decode-steps must be >= 1, --prefill-prompts >= 0")
+    if args.input_len < 1 or args.decode_steps < 1 or args.batch < 1 or args.prefill_prompts < 0:
+        p.error("--input-len, --decode-steps and --batch must be >= 1, --prefill-prompts >= 0")
     if args.input_len + args.decode_steps + 1 > args.max_model_len:
         p.error("--input-len + --decode-steps + 1 must fit in --max-model-len")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -163,14 +168,14 @@ def main(argv: list[str] | None = None) -> int:
             wall = time.perf_counter() - t0
         return kernel_times_us(prof), wall
 
-    prompt = random_prompt()
-    short, wall_short = run([prompt], 1)
-    long, wall_long = run([prompt], 1 + args.decode_steps)
+    prompts = [random_prompt() for _ in range(args.batch)]
+    short, wall_short = run(prompts, 1)
+    long, wall_long = run(prompts, 1 + args.decode_steps)
     per_kernel = decode_step(short, long, args.decode_steps)
     label = args.label or f"{args.moe_backend}{'-deterministic' if args.deterministic else ''}"
     result = dict(
         label=label, model=args.model, moe_backend=args.moe_backend, deterministic=args.deterministic,
-        input_len=args.input_len, decode_steps=args.decode_steps, gpu=torch.cuda.get_device_name(),
+        input_len=args.input_len, decode_steps=args.decode_steps, batch=args.batch, gpu=torch.cuda.get_device_name(),
         commit=provenance.git_commit(), vllm=vllm.__version__, date=datetime.datetime.now(datetime.UTC).isoformat(),
         decode_step=summary(per_kernel, (wall_long - wall_short) / args.decode_steps * 1e3),
     )
