@@ -74,13 +74,14 @@ def register() -> None:
 
     from mok_serve.vllm import KITTENS
     from mok_serve.vllm.experts import KittensFusedMoEMethod
-    from mok_serve.vllm import random_weights
+    from mok_serve.vllm import deterministic, random_weights
     from mok_serve.vllm.experts_fp8 import KittensFp8MoEMethod
 
     _add_moe_backend_choice(KITTENS)
     random_weights.register()
     _reject_unsupported_quantization()
     _bind_all2all_for_kittens()
+    deterministic.keep_compiled_forward()
     UnquantizedFusedMoEMethod.register_oot(KittensFusedMoEMethod)
     # Fp8MoEMethod is no custom op (no out-of-tree slot): Fp8Config.get_quant_method looks the
     # name up in its module at each call, so binding the subclass there makes it the FP8 method.

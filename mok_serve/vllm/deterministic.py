@@ -24,7 +24,9 @@ invariant:
 
 Only a server whose MoE backend is kittens changes: ``install`` runs when the first kittens MoE
 layer is built (in each worker, before any forward pass or compilation), so stock servers with
-``VLLM_BATCH_INVARIANT=1`` stay stock and comparable.
+``VLLM_BATCH_INVARIANT=1`` stay stock and comparable. ``keep_compiled_forward`` (at plugin
+registration, before any config is built) keeps such a server's forward compiled, its RMSNorms
+kittens'.
 """
 
 import vllm.envs as envs
@@ -124,6 +126,60 @@ def kittens_fp8_linear_apply(vllm_apply):
 
     apply.vllm_apply = vllm_apply
     return apply
+
+
+def kittens_runs_the_dense_layers(config) -> bool:
+    """Whether a kittens MoE server's dense layers run kittens' invariant GEMM in batch-invariant
+    mode, with no vLLM matmul left that looks its tiles up by row count: the MoE backend is
+    kittens, the model has experts (``install`` runs when the first kittens MoE layer is built),
+    and the GPU is Hopper or newer, where vLLM's invariant mode overrides no aten matmul (on Ampere
+    and Ada it puts its own tuned matmul under ``aten::mm``)."""
+    from mok_serve.vllm import KITTENS
+
+    model = config.model_config
+    if config.kernel_config.moe_backend != KITTENS or model is None or not model.is_moe:
+        return False
+    if not current_platform.is_cuda():
+        return False
+    capability = current_platform.get_device_capability()
+    return capability is not None and capability.major >= 9
+
+
+def keep_compiled_forward() -> None:
+    """Two start-up decisions of vLLM's batch-invariant mode, changed for a kittens server where
+    kittens' kernels run the dense layers (``kittens_runs_the_dense_layers``):
+
+    - vLLM turns on breakable CUDA graphs, and with them turns torch.compile off, for bf16 models
+      whose dense shapes are in its tuned-tile table (Qwen3-30B-A3B is, by its
+      ``intermediate_size``): its invariant matmul picks tiles by the row count at run time, which
+      a compiled forward would freeze (vLLM #54243). Kittens' invariant GEMM is a custom op that
+      picks its tiles at each call, eager or captured, so the server keeps vLLM's default compiled
+      forward and piecewise CUDA graphs. Setting ``VLLM_USE_BREAKABLE_CUDAGRAPH`` still decides.
+    - A compiled forward runs RMSNorm's native code, which Inductor turns into a reduction whose
+      sum order follows the launch config it autotunes at start-up (so it may differ between two
+      servers). The server enables vLLM's ``rms_norm`` custom op instead, whose CUDA path runs
+      kittens' ``invariant_rms_norm`` (``install``), as in an eager server; ``-rms_norm`` in
+      ``--compilation-config``'s ``custom_ops`` still decides."""
+    from vllm.config import VllmConfig
+    from vllm.config.kernel import KernelConfig
+
+    stock_breakable = VllmConfig._uses_breakable_cudagraph_for_batch_invariance
+    stock_defaults = KernelConfig.set_platform_defaults
+
+    def uses_breakable_cudagraph_for_batch_invariance(self) -> bool:
+        return not kittens_runs_the_dense_layers(self) and stock_breakable(self)
+
+    def set_platform_defaults(self, vllm_config) -> None:
+        stock_defaults(self, vllm_config)
+        ops = vllm_config.compilation_config.custom_ops
+        if (envs.VLLM_BATCH_INVARIANT and kittens_runs_the_dense_layers(vllm_config)
+                and not {"+rms_norm", "-rms_norm"} & set(ops)):
+            ops.append("+rms_norm")
+
+    uses_breakable_cudagraph_for_batch_invariance.vllm_method = stock_breakable
+    set_platform_defaults.vllm_method = stock_defaults
+    VllmConfig._uses_breakable_cudagraph_for_batch_invariance = uses_breakable_cudagraph_for_batch_invariance
+    KernelConfig.set_platform_defaults = set_platform_defaults
 
 
 def wanted() -> bool:

@@ -4,6 +4,7 @@ kittens-random weights."""
 
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -70,6 +71,65 @@ def test_nothing_changes_outside_batch_invariant_mode_or_off_cuda(monkeypatch):
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")  # on, but this machine is no CUDA one
     assert not deterministic.wanted() and not deterministic.install()
     assert linear.linear_batch_invariant is before
+
+
+class _Platform:
+    def __init__(self, cuda: bool, major: int):
+        self.cuda, self.major = cuda, major
+
+    def is_cuda(self):
+        return self.cuda
+
+    def get_device_capability(self):
+        return types.SimpleNamespace(major=self.major, minor=0)
+
+
+def _config(backend: str, moe: bool = True, custom_ops=("none",)):
+    return types.SimpleNamespace(kernel_config=types.SimpleNamespace(moe_backend=backend),
+                                 model_config=types.SimpleNamespace(is_moe=moe),
+                                 compilation_config=types.SimpleNamespace(custom_ops=list(custom_ops)))
+
+
+def test_a_kittens_moe_server_on_hopper_keeps_its_forward_compiled_and_its_norms(monkeypatch):
+    """vLLM's invariant mode would turn breakable CUDA graphs on (torch.compile off) for bf16 models in
+    its tuned-tile table, and a compiled forward runs Inductor's RMSNorm; where kittens' GEMM runs
+    every dense layer the graphs stay unbroken and the rms_norm custom op (kittens' kernel) is on,
+    elsewhere vLLM decides as before."""
+    from vllm.config import VllmConfig
+    from vllm.config.kernel import KernelConfig
+
+    from mok_serve import plugin
+
+    plugin.register()
+    assert hasattr(VllmConfig._uses_breakable_cudagraph_for_batch_invariance, "vllm_method")
+    assert hasattr(KernelConfig.set_platform_defaults, "vllm_method")
+    monkeypatch.setattr(VllmConfig, "_uses_breakable_cudagraph_for_batch_invariance", lambda self: True)  # vLLM: on
+    monkeypatch.setattr(KernelConfig, "set_platform_defaults", lambda self, vllm_config: None)
+    deterministic.keep_compiled_forward()
+    uses_breakable = VllmConfig._uses_breakable_cudagraph_for_batch_invariance
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    for platform, config, kittens_dense in [
+        (_Platform(True, 9), _config("kittens"), True),
+        (_Platform(True, 10), _config("kittens"), True),
+        (_Platform(True, 9), _config("triton"), False),  # a stock server stays stock
+        (_Platform(True, 9), _config("kittens", moe=False), False),  # no experts: install() never runs
+        (_Platform(True, 8), _config("kittens"), False),  # Ampere and Ada: vLLM's matmul under aten::mm
+        (_Platform(False, 9), _config("kittens"), False),
+    ]:
+        monkeypatch.setattr(deterministic, "current_platform", platform)
+        assert deterministic.kittens_runs_the_dense_layers(config) is kittens_dense
+        assert uses_breakable(config) is not kittens_dense
+        KernelConfig.set_platform_defaults(None, config)
+        KernelConfig.set_platform_defaults(None, config)  # vLLM may call it twice
+        assert config.compilation_config.custom_ops == (["none", "+rms_norm"] if kittens_dense else ["none"])
+    monkeypatch.setattr(deterministic, "current_platform", _Platform(True, 9))
+    user_off = _config("kittens", custom_ops=("none", "-rms_norm"))
+    KernelConfig.set_platform_defaults(None, user_off)
+    assert user_off.compilation_config.custom_ops == ["none", "-rms_norm"]  # the user's choice stands
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT")
+    plain = _config("kittens")
+    KernelConfig.set_platform_defaults(None, plain)
+    assert plain.compilation_config.custom_ops == ["none"]  # outside invariant mode nothing changes
 
 
 def test_deterministic_flag_is_refused_without_a_gpu():
