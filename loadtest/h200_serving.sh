@@ -18,7 +18,8 @@
 # grid (e.g. a short check). PORT (default 8321; the second server PORT+1) lets servers on different
 # GPUs of one machine run side by side (CUDA_VISIBLE_DEVICES picks each one's GPU). Set MOK_COMMIT
 # where the tree has no .git. WEIGHT_GIB (build-model's --weight-gib, default its own 80) picks how many
-# layers a deep shape keeps: two DeepSeek-V3 servers share an H200 at 30 (3 dense + 2 MoE layers).
+# layers a deep shape keeps (DeepSeek-V3 FP8: 40 keeps 3 dense + 3 MoE layers, 30 keeps 3 + 2;
+# `mok-serve build-model --list` gives the sizes).
 # Runs on the device machine, vLLM from ../shared/gpu-vllm.
 set -euo pipefail
 shape=$1 out=$3 rate=${4:-24}

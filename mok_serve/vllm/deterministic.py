@@ -129,17 +129,15 @@ def kittens_fp8_linear_apply(vllm_apply):
 
 
 def kittens_runs_the_dense_layers(config) -> bool:
-    """Whether a kittens MoE server's dense layers run kittens' invariant GEMM in batch-invariant
-    mode, with no vLLM matmul left that looks its tiles up by row count: the MoE backend is
-    kittens, the model has experts (``install`` runs when the first kittens MoE layer is built),
+    """Whether this server is in batch-invariant mode (``wanted``) with kittens' invariant GEMM on
+    every dense layer and no vLLM matmul left that looks its tiles up by row count: the MoE backend
+    is kittens, the model has experts (``install`` runs when the first kittens MoE layer is built),
     and the GPU is Hopper or newer, where vLLM's invariant mode overrides no aten matmul (on Ampere
     and Ada it puts its own tuned matmul under ``aten::mm``)."""
     from mok_serve.vllm import KITTENS
 
     model = config.model_config
-    if config.kernel_config.moe_backend != KITTENS or model is None or not model.is_moe:
-        return False
-    if not current_platform.is_cuda():
+    if not wanted() or config.kernel_config.moe_backend != KITTENS or model is None or not model.is_moe:
         return False
     capability = current_platform.get_device_capability()
     return capability is not None and capability.major >= 9
@@ -172,8 +170,7 @@ def keep_compiled_forward() -> None:
     def set_platform_defaults(self, vllm_config) -> None:
         stock_defaults(self, vllm_config)
         ops = vllm_config.compilation_config.custom_ops
-        if (envs.VLLM_BATCH_INVARIANT and kittens_runs_the_dense_layers(vllm_config)
-                and not {"+rms_norm", "-rms_norm"} & set(ops)):
+        if kittens_runs_the_dense_layers(vllm_config) and not {"+rms_norm", "-rms_norm"} & set(ops):
             ops.append("+rms_norm")
 
     uses_breakable_cudagraph_for_batch_invariance.vllm_method = stock_breakable
