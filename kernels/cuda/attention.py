@@ -25,7 +25,7 @@ from ..attention import SEGMENT, check_attention_args
 from .launch import interpreting, pdl_launch
 from .tiles import grid_dependency
 
-__all__ = ["attention_paths", "attention_plan", "invariant_attention_triton", "num_warps"]
+__all__ = ["attention_paths", "attention_plan", "invariant_attention_triton", "num_stages", "num_warps"]
 
 PREFILL_ROWS = 64  # query rows of a program in a call with prefill tokens (wgmma's M side)
 DECODE_ROWS = 16  # query rows of a program in a decode call, operands swapped (wgmma's N side)
@@ -263,6 +263,12 @@ def num_warps(swap: bool) -> int:
     return 4 if swap else 8
 
 
+def num_stages(head_pad: int, itemsize: int) -> int:
+    """Pipeline stages of the segment loop: two, unless a segment's K and V tiles (64 keys x the
+    padded head) pass 64 KB, where two copies would not fit shared memory (fp32 at head 192-256)."""
+    return 1 if 2 * SEGMENT * head_pad * itemsize > 64 * 1024 else 2
+
+
 def attention_paths(head_size: int) -> list[tuple[bool, bool]]:
     """Every (swap, split) pair ``attention_plan`` can pick for calls of this head size."""
     swaps = (False, True) if triton.next_power_of_2(head_size) >= 64 else (False,)
@@ -331,7 +337,7 @@ def invariant_attention_triton(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         PAGE=page, SWAP=swap, SPLIT=split, DOT_F32=interpret or q.dtype == torch.float32, **consts,
-        num_warps=num_warps(swap), num_stages=2, **pdl_launch(out, pdl, interpret),
+        num_warps=num_warps(swap), num_stages=num_stages(head_pad, k_cache.element_size()), **pdl_launch(out, pdl, interpret),
     )
     if split:  # merged in 16-row blocks whatever the segments' blocks (the workspace is by token and head),
         # the columns spread over programs (a decode step alone has one block per KV head)
