@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+SHARED_BYTES = 227 * 1024  # an H100's or H200's opt-in shared memory per block (sm_90)
+
 PRELUDE = r"""
 import json, os, subprocess, sys
 os.environ.pop("TRITON_INTERPRET", None)

@@ -337,7 +337,8 @@ def invariant_attention_triton(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         PAGE=page, SWAP=swap, SPLIT=split, DOT_F32=interpret or q.dtype == torch.float32, **consts,
-        num_warps=num_warps(swap), num_stages=num_stages(head_pad, k_cache.element_size()), **pdl_launch(out, pdl, interpret),
+        num_warps=num_warps(swap), num_stages=num_stages(head_pad, k_cache.element_size()),
+        **pdl_launch(out, pdl, interpret),
     )
     if split:  # merged in 16-row blocks whatever the segments' blocks (the workspace is by token and head),
         # the columns spread over programs (a decode step alone has one block per KV head)
