@@ -2,9 +2,8 @@
 
 A program owns one query block (``BLOCK_Q`` tokens of one sequence times the ``GROUP`` query heads
 of one KV head: ``BLOCK_M`` rows) and either every segment its rows see, merged in order inside the
-program (``_attention_kernel``), or (``SPLIT``) a share of the segments (grid axis 2), whose (m, l,
-acc) it writes to a workspace; the block's last program to finish merges them all in the same
-order (one launch: a second, merging launch cost a kernel boundary per layer).
+program (``_attention_kernel``), or one segment (``SPLIT``: grid axis 2) whose (m, l, acc) it writes
+to a workspace that ``_attention_merge_kernel`` merges in the same order.
 
 Every sum over keys or head dimensions is a chain of 16-deep tensor-core k-steps (wgmma), which
 gives an element the same bits whichever operand it sits in. Prefill-shaped calls run 64-row
@@ -23,7 +22,7 @@ import triton
 import triton.language as tl
 
 from ..attention import SEGMENT, check_attention_args
-from .launch import interpreting, pdl_launch, stream_tickets
+from .launch import interpreting, pdl_launch
 from .tiles import grid_dependency
 
 __all__ = ["attention_paths", "attention_plan", "invariant_attention_triton", "num_stages", "num_warps"]
@@ -160,38 +159,9 @@ def _store_rows(out_ptr, O, L, token, head, row_ok, bad, offs_d, stride_ot, stri
         tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d < HEAD)[None, :])
 
 
-@triton.jit
-def _merge_segments(out_ptr, part_ptr, ml_ptr, token, head, row_ok, pos, lo, first, last, max_segs, heads,
-                    stride_ot, stride_oh, BLOCK_M: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr,
-                    SEG: tl.constexpr, COLS: tl.constexpr):
-    """The split path's merge: each row's segments from the workspace merged in order, as the
-    whole-row path merges them in registers, then stored; ``COLS`` output columns at a time (a
-    64-row block's whole head would not fit the registers), each walking the rows' same (m, l)
-    chain, so every column gets the bits of a whole-row merge."""
-    base = (token.to(tl.int64) * heads + head) * max_segs
-    for c0 in range(0, HEAD_PAD, COLS):
-        offs_d = c0 + tl.arange(0, COLS)
-        M = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        L = tl.zeros([BLOCK_M], tl.float32)
-        O = tl.zeros([BLOCK_M, COLS], tl.float32)
-        for seg in range(first, tl.minimum(last, max_segs - 1) + 1):
-            # A row outside this segment's reach was not written there: it reads l = 0 (no merge).
-            # (.cg loads: from L2, where the other programs' stores are, not this SM's L1.)
-            sees = row_ok & (pos >= seg * SEG) & (lo < (seg + 1) * SEG)
-            cell = base + seg
-            m = tl.load(ml_ptr + cell * 2, mask=sees, other=float("-inf"), cache_modifier=".cg")
-            l = tl.load(ml_ptr + cell * 2 + 1, mask=sees, other=0.0, cache_modifier=".cg")
-            acc = tl.load(part_ptr + cell[:, None] * HEAD_PAD + offs_d[None, :], mask=sees[:, None], other=0.0,
-                          cache_modifier=".cg")
-            M, L, O = _merge(M, L, O, m, l, acc, False)
-        # A KV length past the bound: segments the workspace could not hold, so the row is poisoned.
-        _store_rows(out_ptr, O, L, token, head, row_ok, pos // SEG >= max_segs, offs_d, stride_ot, stride_oh,
-                    HEAD, False)
-
-
 @triton.jit(do_not_specialize=["num_seqs"])  # per-call: one compile whether a call has 1, 16 or 17 sequences
 def _attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr, part_ptr, ml_ptr, ticket_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr, part_ptr, ml_ptr,
     num_seqs, scale, window, max_segs,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -215,8 +185,8 @@ def _attention_kernel(
     bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
     if SPLIT:
         # Program j of axis 2 computes the segments s = j (mod its size), each kept apart: the
-        # block's last program merges them all in order. Segments past the workspace (a KV length
-        # above the call's bound) are not computed: the merge poisons those rows.
+        # merge kernel merges them all in order. Segments past the workspace (a KV length above
+        # the call's bound) are not computed: the merge kernel poisons those rows.
         step = tl.num_programs(2)
         seg0 = first + (tl.program_id(2) - first % step + step) % step
         for seg in range(seg0, tl.minimum(last, max_segs - 1) + 1, step):
@@ -230,16 +200,6 @@ def _attention_kernel(
                 tl.store(part_ptr + cell[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
             tl.store(ml_ptr + cell * 2, m, mask=row_ok)
             tl.store(ml_ptr + cell * 2 + 1, l, mask=row_ok)
-        tl.debug_barrier()  # every thread's workspace stores are ordered before the release below
-        ticket = ticket_ptr + tl.program_id(0) * tl.num_programs(1) + kv_head
-        if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == tl.num_programs(2) - 1:
-            tl.debug_barrier()
-            _merge_segments(out_ptr, part_ptr, ml_ptr, token, head, row_ok, pos, lo, first, last, max_segs,
-                            tl.num_programs(1) * GROUP, stride_ot, stride_oh, BLOCK_M, HEAD, HEAD_PAD, SEG,
-                            min(HEAD_PAD, 16))
-            # Every program of the block has arrived: none reads the ticket again, and the next
-            # kernel in the stream starts after this one ends.
-            tl.atomic_xchg(ticket, 0, sem="relaxed")
     else:
         M = tl.full([BLOCK_M], float("-inf"), tl.float32)
         L = tl.zeros([BLOCK_M], tl.float32)
@@ -255,12 +215,46 @@ def _attention_kernel(
         _store_rows(out_ptr, O, L, token, head, row_ok, row_ok & False, offs_d, stride_ot, stride_oh, HEAD, SWAP)
 
 
+@triton.jit(do_not_specialize=["num_seqs"])
+def _attention_merge_kernel(
+    out_ptr, cu_q_ptr, seq_lens_ptr, part_ptr, ml_ptr, num_seqs, window, max_segs,
+    stride_ot, stride_oh,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD: tl.constexpr,
+    HEAD_PAD: tl.constexpr, COLS: tl.constexpr, SEG: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr,
+):
+    """The split path's second step: each row's segments merged in order, as ``_attention_kernel``
+    merges them in one program, for the ``COLS`` output columns of grid axis 2 (every program of a
+    block walks the same (m, l) chain, so each column gets the bits of a whole-row merge)."""
+    grid_dependency(PDL)
+    kv_head = tl.program_id(1)
+    seq, seq_len, token, head, row_ok, pos, lo, first, last = _rows(
+        cu_q_ptr, seq_lens_ptr, tl.program_id(0), kv_head, num_seqs, window, GROUP, BLOCK_Q, BLOCK_M, SEG, HAS_WINDOW)
+    if last < 0:
+        return
+    offs_d = tl.program_id(2) * COLS + tl.arange(0, COLS)
+    M = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    L = tl.zeros([BLOCK_M], tl.float32)
+    O = tl.zeros([BLOCK_M, COLS], tl.float32)
+    base = (token.to(tl.int64) * tl.num_programs(1) * GROUP + head) * max_segs
+    for seg in range(first, tl.minimum(last, max_segs - 1) + 1):
+        # A row outside this segment's reach was not written there: it reads l = 0 (no merge).
+        sees = row_ok & (pos >= seg * SEG) & (lo < (seg + 1) * SEG)
+        cell = base + seg
+        m = tl.load(ml_ptr + cell * 2, mask=sees, other=float("-inf"))
+        l = tl.load(ml_ptr + cell * 2 + 1, mask=sees, other=0.0)
+        acc = tl.load(part_ptr + cell[:, None] * HEAD_PAD + offs_d[None, :], mask=sees[:, None], other=0.0)
+        M, L, O = _merge(M, L, O, m, l, acc, False)
+    # A KV length past the bound: segments the workspace could not hold, so the row is poisoned.
+    _store_rows(out_ptr, O, L, token, head, row_ok, pos // SEG >= max_segs, offs_d, stride_ot, stride_oh, HEAD, False)
+
+
 # Split segments over programs while the call has fewer (query block, KV head) programs than this,
 # and its workspace stays under _SPLIT_MAX_BYTES; _SEGMENT_PROGRAMS programs per query block and
 # KV head then share the segments.
 _SPLIT_BELOW_PROGRAMS = 132
 _SPLIT_MAX_BYTES = 256 << 20
 _SEGMENT_PROGRAMS = 16
+_MERGE_COLS = 32  # output columns per merge program
 
 
 def num_warps(swap: bool) -> int:
@@ -333,13 +327,12 @@ def invariant_attention_triton(
     if split:
         part = torch.empty((tokens, heads, max_segs, head_pad), dtype=torch.float32, device=q.device)
         ml = torch.empty((tokens, heads, max_segs, 2), dtype=torch.float32, device=q.device)
-        tickets = stream_tickets(q.device, q_blocks * kv_heads)
     else:
-        part = ml = tickets = out
+        part = ml = out
     consts = dict(GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD=head_size, HEAD_PAD=head_pad, SEG=SEGMENT,
                   HAS_WINDOW=window is not None)
     _attention_kernel[(q_blocks, kv_heads, min(max_segs, segment_programs) if split else 1)](
-        q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, part, ml, tickets,
+        q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, part, ml,
         num_seqs, scale, window or 0, max_segs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -347,4 +340,13 @@ def invariant_attention_triton(
         num_warps=num_warps(swap), num_stages=num_stages(head_pad, k_cache.element_size()),
         **pdl_launch(out, pdl, interpret),
     )
+    if split:  # merged in 16-row blocks whatever the segments' blocks (the workspace is by token and head),
+        # the columns spread over programs (a decode step alone has one block per KV head)
+        merge_block_q = DECODE_ROWS // triton.next_power_of_2(group)
+        cols = min(head_pad, _MERGE_COLS)
+        consts.update(BLOCK_Q=merge_block_q, BLOCK_M=DECODE_ROWS)
+        _attention_merge_kernel[(tokens // merge_block_q + num_seqs, kv_heads, head_pad // cols)](
+            out, cu_seqlens_q, seq_lens, part, ml, num_seqs, window or 0, max_segs, out.stride(0), out.stride(1),
+            **consts, COLS=cols, num_warps=4, **pdl_launch(out, pdl, interpret),
+        )
     return out

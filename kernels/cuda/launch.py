@@ -1,7 +1,6 @@
-"""Host-side launch helpers of the CUDA kernels, shared by ``moe.py``, ``moe_fp8.py``, ``ep.py``,
-``linear.py`` and ``attention.py``: programmatic dependent launch keywords, TMA operands, GEMM config
-defaults, the per-call setup, grid bounds and the split paths' tickets. No kernels here; the knobs
-come from ``..env`` at call time."""
+"""Host-side launch helpers of the CUDA kernels, shared by ``moe.py``, ``moe_fp8.py`` and ``ep.py``:
+programmatic dependent launch keywords, TMA operands, GEMM config defaults, the per-call setup and
+grid bounds. No kernels here; the knobs come from ``..env`` at call time."""
 
 from __future__ import annotations
 
@@ -14,27 +13,8 @@ from ..env import knob
 
 __all__ = [
     "cc_major", "check_heavy_m", "descriptor", "e_pad", "gemm_config", "interpreting", "layer_setup", "max_row_tiles",
-    "pdl_launch", "stream_tickets", "tma_ok", "w13_operand", "w2_operand",
+    "pdl_launch", "tma_ok", "w13_operand", "w2_operand",
 ]
-
-# Tickets of the split paths (``linear.py``, ``attention.py``) by (device, stream). vLLM runs a shared
-# expert's dense layers on a side stream beside the router's, so two calls may be in flight at
-# once, but never two on one stream: a kernel starts after the previous one in its stream has ended
-# (stream order, or PDL's grid wait at its start).
-_STREAM_TICKETS = 256
-_tickets: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def stream_tickets(device: torch.device, count: int) -> torch.Tensor:
-    """At least ``count`` int32 tickets for a call on ``device``'s current stream: zero, and left
-    zero by every kernel that takes them (the program that draws a group's last ticket puts it back
-    to zero), so they are cleared once, when first made (in a CUDA graph capture that memset stays
-    in the graph, where it finds them zero at every replay)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    held = _tickets.get((device, stream))
-    if held is None or held.numel() < count:
-        held = _tickets[(device, stream)] = torch.zeros(max(count, _STREAM_TICKETS), dtype=torch.int32, device=device)
-    return held
 
 
 def max_row_tiles(rows: int, num_local: int, block_m: int) -> int:

@@ -21,13 +21,15 @@ import triton.language as tl
 from ..linear import FP8_BLOCK, check_linear_args, check_linear_fp8_args, k_chunk
 from .configs import LINEAR_SPLIT_BELOW_TILES, pick_linear_config
 from .fp8_tiles import quantize_tile, scaled_block_dot
-from .launch import descriptor, gemm_config, interpreting, pdl_launch, stream_tickets, tma_ok
+from .launch import descriptor, gemm_config, interpreting, pdl_launch, tma_ok
 from .tiles import acc_zeros, cast, grid_dependency, load_cols, load_rows, mma, program_tile
 
-__all__ = ["invariant_linear_fp8_triton", "invariant_linear_triton", "linear_plan"]
+__all__ = ["invariant_linear_fp8_triton", "invariant_linear_triton", "linear_plan", "split_tickets"]
 
 _QUANTIZE_ROWS = 16  # token rows per activation-quantization program (one 128-column group each)
-
+# The split path's tile tickets by (device, stream): vLLM runs a shared expert's dense layers on a side
+# stream beside the router's, so two calls may be in flight at once, but never two on one stream.
+_tickets: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
 @triton.jit
@@ -141,6 +143,18 @@ def _linear_kernel(
         _store_rows(total, bias_ptr, y_ptr, offs_m, row_ok, offs_n, n_ok, stride_ym, HAS_BIAS, DOT_F32)
 
 
+def split_tickets(device: torch.device, tiles: int) -> torch.Tensor:
+    """At least ``tiles`` int32 tile tickets for a split call on ``device``'s current stream: zero,
+    and left zero by every split call (its last program per tile resets the tile's ticket), so they
+    are cleared once, when first made (in a CUDA graph capture, that memset stays in the graph)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    held = _tickets.get(key)
+    if held is None or held.numel() < tiles:
+        held = _tickets[key] = torch.zeros(max(tiles, LINEAR_SPLIT_BELOW_TILES), dtype=torch.int32, device=device)
+    return held
+
+
 def linear_plan(rows: int, n: int, k: int, config: dict | None = None, *, fp8: bool = False) -> tuple[dict, int, bool]:
     """(tile config, K chunk length, whether chunks run in separate programs) of a call with
     ``rows`` rows and a weight ``[n, k]``; shapes only. ``config`` overrides the tile; ``fp8``
@@ -244,7 +258,7 @@ def _linear(x, weight, weight_scale, bias, config, split, pdl) -> torch.Tensor:
     chunks = triton.cdiv(k, chunk)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     part = torch.empty((chunks, m, n), dtype=torch.float32, device=x.device) if split else y
-    tickets = stream_tickets(x.device, tiles) if split else y
+    tickets = split_tickets(x.device, tiles) if split else y
     b = bias if bias is not None else y
     common = dict(DOT_IEEE=(x.dtype == torch.float32 or interpret) and not fp8, DOT_F32=interpret, FP8=fp8)
     _linear_kernel[(tiles, chunks if split else 1)](

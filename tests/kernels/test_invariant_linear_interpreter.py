@@ -12,8 +12,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
 from mok_serve.kernels.cuda import configs  # noqa: E402
-from mok_serve.kernels.cuda.launch import stream_tickets  # noqa: E402
-from mok_serve.kernels.cuda.linear import invariant_linear_triton, linear_plan  # noqa: E402
+from mok_serve.kernels.cuda.linear import invariant_linear_triton, linear_plan, split_tickets  # noqa: E402
 from mok_serve.kernels.linear import invariant_linear_reference  # noqa: E402
 from moe_test_utils import rel_err  # noqa: E402
 
@@ -68,10 +67,10 @@ def test_split_calls_leave_their_tickets_zero_and_poisoned_rows_get_written():
     assert linear_plan(7, 200, 1024, cfg)[1] < 1024  # more than one chunk: the split path runs
     for _ in range(2):
         assert torch.equal(invariant_linear_triton(x, w, b, config=cfg, split=True), want)
-        assert not stream_tickets(x.device, tiles).any()
-    many = 1000
-    grown = stream_tickets(x.device, many)
-    assert grown.numel() >= many and not grown.any() and stream_tickets(x.device, 1) is grown
+        assert not split_tickets(x.device, tiles).any()
+    many = configs.LINEAR_SPLIT_BELOW_TILES + 5
+    grown = split_tickets(x.device, many)
+    assert grown.numel() >= many and not grown.any() and split_tickets(x.device, 1) is grown
 
 
 def test_strided_rows_no_bias_and_unwritten_rows_show():

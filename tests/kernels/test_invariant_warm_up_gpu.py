@@ -69,7 +69,7 @@ def test_no_attention_call_compiles_after_its_warm_up():
     # Heads and head size no other test uses.
     heads, kv_heads, head = 24, 2, 96
     seed = fresh_seed()
-    kernels = (cuda_attention._attention_kernel,)
+    kernels = (cuda_attention._attention_kernel, cuda_attention._attention_merge_kernel)
     first = vllm_table(Batch.random([(1, 40)], heads, kv_heads, head, seed=seed, device=DEV))
     bound = 4096
     out = torch.empty_like(first.q)
