@@ -3,11 +3,10 @@
 
 ``_linear_kernel`` computes output tiles: each program adds its tile's K-chunk sums in chunk order
 and writes the rounded result, or (``SPLIT``, for calls with fewer output tiles than SMs, i.e.
-decode sizes) computes one chunk's fp32 sum into a workspace, and the tile's last program to finish
-adds the tile's chunk sums up in chunk order (one launch: a second, reducing launch cost a kernel
-boundary per dense layer). Either way each output element is the same chain of 16-deep wgmma
-k-steps per chunk and the same chunk order, so a row's bits never depend on the row count, the tile
-(``configs.pick_linear_config``), the path or which program finished last.
+decode sizes) computes one chunk's fp32 sum into a workspace that ``_linear_reduce_kernel`` then
+adds up in chunk order. Either way each output element is the same chain of 16-deep wgmma k-steps
+per chunk and the same chunk order, so a row's bits never depend on the row count, the tile
+(``configs.pick_linear_config``) or the path.
 """
 
 from __future__ import annotations
@@ -24,12 +23,11 @@ from .fp8_tiles import quantize_tile, scaled_block_dot
 from .launch import descriptor, gemm_config, interpreting, pdl_launch, tma_ok
 from .tiles import acc_zeros, cast, grid_dependency, load_cols, load_rows, mma, program_tile
 
-__all__ = ["invariant_linear_fp8_triton", "invariant_linear_triton", "linear_plan", "split_tickets"]
+__all__ = ["invariant_linear_fp8_triton", "invariant_linear_triton", "linear_plan"]
 
+_REDUCE_BLOCK_M = 16
+_REDUCE_BLOCK_N = 128
 _QUANTIZE_ROWS = 16  # token rows per activation-quantization program (one 128-column group each)
-# The split path's tile tickets by (device, stream): vLLM runs a shared expert's dense layers on a side
-# stream beside the router's, so two calls may be in flight at once, but never two on one stream.
-_tickets: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
 @triton.jit
@@ -88,7 +86,7 @@ def _store_rows(total, bias_ptr, y_ptr, offs_m, row_ok, offs_n, n_ok, stride_ym,
 
 @triton.jit(do_not_specialize=["M", "stride_part"])  # per-call row counts: one compile for every count
 def _linear_kernel(
-    x_ptr, x_desc, w_ptr, w_desc, xs_ptr, ws_ptr, bias_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, K_CHUNK,
+    x_ptr, x_desc, w_ptr, w_desc, xs_ptr, ws_ptr, bias_ptr, y_ptr, part_ptr, M, N, K, K_CHUNK,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_xs, stride_ws, stride_ym, stride_part,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     STAGES: tl.constexpr, SPLIT: tl.constexpr, MULTI_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -96,11 +94,9 @@ def _linear_kernel(
     DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (tile[, chunk]): with ``SPLIT`` the fp32 sum of chunk ``program_id(1)`` into
-    ``part[chunk]`` ([chunks, M, N]), then a ticket of the tile (``ticket_ptr``: int32 per tile, zero
-    before the call and left zero); the tile's last program adds ``part[0..chunks)`` in chunk order.
-    Else the tile's chunk sums added in chunk order. Either way the bias, one rounding into ``y``.
-    ``MULTI_CHUNK``: K holds more than one chunk (else one accumulator). ``FP8``: ``x`` and ``w``
-    e4m3 with the scales ``xs`` / ``ws`` (``_chunk_sum``)."""
+    ``part[chunk]`` ([chunks, M, N]); else the tile's chunk sums added in chunk order, the bias, one
+    rounding into ``y``. ``MULTI_CHUNK``: K holds more than one chunk (else one accumulator).
+    ``FP8``: ``x`` and ``w`` e4m3 with the scales ``xs`` / ``ws`` (``_chunk_sum``)."""
     grid_dependency(PDL)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -114,22 +110,8 @@ def _linear_kernel(
         acc = _chunk_sum(x_ptr, x_desc, w_ptr, w_desc, xs_ptr, ws_ptr, offs_m, row_ok, offs_n, n_ok, pid_m, pid_n, k_lo, tl.minimum(k_lo + K_CHUNK, K), K,
                          stride_xm, stride_xk, stride_wn, stride_wk, stride_xs, stride_ws,
                          BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K, EVEN_N, USE_TMA, TMA_A, SWAP_AB, DOT_IEEE, DOT_F32, FP8)
-        mask = row_ok[:, None] & n_ok[None, :]
-        p_ptrs = part_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-        tl.store(p_ptrs + tl.program_id(1).to(tl.int64) * stride_part, acc, mask=mask)
-        chunks = tl.cdiv(K, K_CHUNK)
-        tl.debug_barrier()  # every thread's part stores are ordered before the release below
-        arrived = tl.atomic_add(ticket_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
-        if arrived == chunks - 1:
-            tl.debug_barrier()
-            # (.cg: read from L2, where the other programs' stores are, not this SM's L1)
-            total = tl.load(p_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-            for c in range(1, chunks):
-                total += tl.load(p_ptrs + c * stride_part, mask=mask, other=0.0, cache_modifier=".cg")
-            _store_rows(total, bias_ptr, y_ptr, offs_m, row_ok, offs_n, n_ok, stride_ym, HAS_BIAS, DOT_F32)
-            # Every chunk has arrived, so no program of this call reads the ticket again; the next
-            # call on this stream starts after this one ends (stream order, or PDL's grid wait).
-            tl.atomic_xchg(ticket_ptr + tl.program_id(0), 0, sem="relaxed")
+        p_ptrs = part_ptr + tl.program_id(1).to(tl.int64) * stride_part + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        tl.store(p_ptrs, acc, mask=row_ok[:, None] & n_ok[None, :])
     else:
         total = _chunk_sum(x_ptr, x_desc, w_ptr, w_desc, xs_ptr, ws_ptr, offs_m, row_ok, offs_n, n_ok, pid_m, pid_n, 0, tl.minimum(K_CHUNK, K), K,
                            stride_xm, stride_xk, stride_wn, stride_wk, stride_xs, stride_ws,
@@ -143,16 +125,24 @@ def _linear_kernel(
         _store_rows(total, bias_ptr, y_ptr, offs_m, row_ok, offs_n, n_ok, stride_ym, HAS_BIAS, DOT_F32)
 
 
-def split_tickets(device: torch.device, tiles: int) -> torch.Tensor:
-    """At least ``tiles`` int32 tile tickets for a split call on ``device``'s current stream: zero,
-    and left zero by every split call (its last program per tile resets the tile's ticket), so they
-    are cleared once, when first made (in a CUDA graph capture, that memset stays in the graph)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    held = _tickets.get(key)
-    if held is None or held.numel() < tiles:
-        held = _tickets[key] = torch.zeros(max(tiles, LINEAR_SPLIT_BELOW_TILES), dtype=torch.int32, device=device)
-    return held
+@triton.jit(do_not_specialize=["M", "stride_part"])
+def _linear_reduce_kernel(
+    part_ptr, bias_ptr, y_ptr, M, N, NUM_CHUNKS, stride_ym, stride_part,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, RNE_FIX: tl.constexpr, PDL: tl.constexpr,
+):
+    """``y = round(part[0] + part[1] + ... + bias)`` over a [BLOCK_M, BLOCK_N] block, chunks in order."""
+    grid_dependency(PDL)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < M
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    mask = row_ok[:, None] & n_ok[None, :]
+    p_ptrs = part_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    total = tl.load(p_ptrs, mask=mask, other=0.0)
+    for _ in range(1, NUM_CHUNKS):
+        p_ptrs += stride_part
+        total += tl.load(p_ptrs, mask=mask, other=0.0)
+    _store_rows(total, bias_ptr, y_ptr, offs_m, row_ok, offs_n, n_ok, stride_ym, HAS_BIAS, RNE_FIX)
 
 
 def linear_plan(rows: int, n: int, k: int, config: dict | None = None, *, fp8: bool = False) -> tuple[dict, int, bool]:
@@ -256,17 +246,22 @@ def _linear(x, weight, weight_scale, bias, config, split, pdl) -> torch.Tensor:
         else:
             g["USE_TMA"] = False
     chunks = triton.cdiv(k, chunk)
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     part = torch.empty((chunks, m, n), dtype=torch.float32, device=x.device) if split else y
-    tickets = split_tickets(x.device, tiles) if split else y
     b = bias if bias is not None else y
     common = dict(DOT_IEEE=(x.dtype == torch.float32 or interpret) and not fp8, DOT_F32=interpret, FP8=fp8)
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     _linear_kernel[(tiles, chunks if split else 1)](
-        a, x_desc, weight, w_desc, xs, ws, b, y, part, tickets, m, n, k, chunk,
+        a, x_desc, weight, w_desc, xs, ws, b, y, part, m, n, k, chunk,
         a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), xs.stride(0), ws.stride(0), y.stride(0), m * n,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=g["GROUP_M"], STAGES=g["num_stages"], SPLIT=split,
         MULTI_CHUNK=chunks > 1, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, EVEN_N=n % bn == 0,
         USE_TMA=g["USE_TMA"], TMA_A=tma_a, SWAP_AB=g["SWAP_AB"], **common,
         num_warps=g["num_warps"], num_stages=g["num_stages"], **pdl_launch(y, pdl, interpret),
     )
+    if split:
+        _linear_reduce_kernel[(triton.cdiv(m, _REDUCE_BLOCK_M), triton.cdiv(n, _REDUCE_BLOCK_N))](
+            part, b, y, m, n, chunks, y.stride(0), m * n,
+            BLOCK_M=_REDUCE_BLOCK_M, BLOCK_N=_REDUCE_BLOCK_N, HAS_BIAS=bias is not None, RNE_FIX=interpret,
+            num_warps=4, **pdl_launch(y, pdl, interpret),
+        )
     return y.view(out_shape)

@@ -33,7 +33,7 @@ import time
 KINDS = (
     ("moe", r"moe|expert|topk_weight|_combine"),
     ("attention", r"attention|attn|reshape_and_cache|rotary|rope"),
-    ("dense gemm", r"gemm|matmul|_linear_kernel|cutlass|xmma|nvjet|gemv|sm90|splitk"),
+    ("dense gemm", r"gemm|matmul|_linear_kernel|_linear_reduce|cutlass|xmma|nvjet|gemv|sm90|splitk"),
     ("norm", r"rms|norm"),
     ("sampling/logits", r"softmax|sampl|argmax|topk|top_k|logit|gumbel|exponential"),
 )

@@ -27,8 +27,7 @@ for fp8 in (False, True):
                 build(f"linear_{a}_rows{rows}_n{n}_k{k}_split{int(split)}", lin._linear_kernel,
                       dict(x_ptr=f"*{a}", w_ptr=f"*{a}", w_desc=f"tensordesc<{a}[{g['BLOCK_N']}, {g['BLOCK_K']}]>",
                            x_desc=f"tensordesc<{a}[{g['BLOCK_M']}, {g['BLOCK_K']}]>" if g.get("TMA_A") else f"*{a}",
-                           xs_ptr="*fp32", ws_ptr="*fp32", bias_ptr="*bf16", y_ptr="*bf16", part_ptr="*fp32",
-                           ticket_ptr="*i32"),
+                           xs_ptr="*fp32", ws_ptr="*fp32", bias_ptr="*bf16", y_ptr="*bf16", part_ptr="*fp32"),
                       dict(M=m, N=n, K=k, K_CHUNK=512, stride_xm=k, stride_xk=1, stride_wn=k, stride_wk=1,
                            stride_xs=k // 128, stride_ws=k // 128, stride_ym=n, stride_part=m * n),
                       dict(BLOCK_M=g["BLOCK_M"], BLOCK_N=g["BLOCK_N"], BLOCK_K=g["BLOCK_K"], GROUP_M=g["GROUP_M"],
@@ -43,19 +42,24 @@ build("quantize_rows", lin._quantize_kernel, dict(x_ptr="*bf16", xq_ptr="*fp8e4n
 g = pick_linear_config(1, 1, 1)
 build("linear_all_ones", lin._linear_kernel,
       dict(x_ptr="*bf16", x_desc="*bf16", w_ptr="*bf16", w_desc="*bf16", xs_ptr="*fp32", ws_ptr="*fp32", bias_ptr="*bf16",
-           y_ptr="*bf16", part_ptr="*fp32", ticket_ptr="*i32"),
+           y_ptr="*bf16", part_ptr="*fp32"),
       dict(M=1, N=1, K=1, K_CHUNK=1, stride_xm=1, stride_xk=1, stride_wn=1, stride_wk=1, stride_xs=1, stride_ws=1,
            stride_ym=1, stride_part=1),
       dict(BLOCK_M=g["BLOCK_M"], BLOCK_N=g["BLOCK_N"], BLOCK_K=g["BLOCK_K"], GROUP_M=1, STAGES=g["num_stages"],
            SPLIT=False, MULTI_CHUNK=False, HAS_BIAS=False, EVEN_K=False, EVEN_N=False, USE_TMA=False, TMA_A=False,
            SWAP_AB=True, DOT_IEEE=False, DOT_F32=False, FP8=False, PDL=True), g["num_warps"], g["num_stages"])
+for m, n, chunks in ((1, 1, 1), (7, 4096, 8)):
+    build(f"reduce_{m}x{n}", lin._linear_reduce_kernel,
+          dict(part_ptr="*fp32", bias_ptr="*bf16", y_ptr="*bf16"),
+          dict(M=m, N=n, NUM_CHUNKS=chunks, stride_ym=n, stride_part=m * n),
+          dict(BLOCK_M=16, BLOCK_N=128, HAS_BIAS=True, RNE_FIX=False, PDL=True), 4, 1)
 """
 
 
 @pytest.mark.timeout(900)
 def test_linear_kernels_compile_for_sm90_with_bf16_wgmma_and_no_spills(tmp_path):
     results = compile_for_sm90(BODY, tmp_path)
-    assert len(results) == 2 * 2 * len(POINTS) + 1 + 1
+    assert len(results) == 2 * 2 * len(POINTS) + 1 + 1 + 2
     for name, r in results.items():
         print(name, r["shared"], r["ptxas"].strip().splitlines()[-2:])
         assert no_spills(r["ptxas"]), (name, r["ptxas"])

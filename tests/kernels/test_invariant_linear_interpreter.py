@@ -12,7 +12,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
 from mok_serve.kernels.cuda import configs  # noqa: E402
-from mok_serve.kernels.cuda.linear import invariant_linear_triton, linear_plan, split_tickets  # noqa: E402
+from mok_serve.kernels.cuda.linear import invariant_linear_triton, linear_plan  # noqa: E402
 from mok_serve.kernels.linear import invariant_linear_reference  # noqa: E402
 from moe_test_utils import rel_err  # noqa: E402
 
@@ -54,23 +54,6 @@ def test_rows_alone_equal_rows_in_a_batch_and_plans_follow_the_shape():
     assert linear_plan(1, 2048, 4096)[1:] == (512, True)
     assert linear_plan(8192, 2048, 4096)[1:] == (512, False)
     assert linear_plan(1, 151936, 2048)[1:] == (2048, False)
-
-
-def test_split_calls_leave_their_tickets_zero_and_poisoned_rows_get_written():
-    """The split path's last program per tile adds the chunk sums and puts the tile's ticket back to
-    zero, so calls follow each other on the same tickets; a forced split with more tiles than the
-    tickets held gets more."""
-    x, w, b = _inputs(7, 200, 1024, torch.bfloat16, seed=3)
-    cfg = dict(configs.pick_linear_config(7, 200, 1024), BLOCK_M=16, BLOCK_N=16)
-    tiles = 1 * -(-200 // 16)
-    want = invariant_linear_triton(x, w, b, config=cfg, split=False)
-    assert linear_plan(7, 200, 1024, cfg)[1] < 1024  # more than one chunk: the split path runs
-    for _ in range(2):
-        assert torch.equal(invariant_linear_triton(x, w, b, config=cfg, split=True), want)
-        assert not split_tickets(x.device, tiles).any()
-    many = configs.LINEAR_SPLIT_BELOW_TILES + 5
-    grown = split_tickets(x.device, many)
-    assert grown.numel() >= many and not grown.any() and split_tickets(x.device, 1) is grown
 
 
 def test_strided_rows_no_bias_and_unwritten_rows_show():

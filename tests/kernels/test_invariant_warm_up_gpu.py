@@ -45,7 +45,7 @@ def test_no_linear_call_compiles_after_its_warm_up(fp8):
     scale = None
     if fp8:
         w, scale = quantize_fp8_blocks(w)
-    kernels = (cuda_linear._linear_kernel, cuda_linear._quantize_kernel)
+    kernels = (cuda_linear._linear_kernel, cuda_linear._linear_reduce_kernel, cuda_linear._quantize_kernel)
     for b in (None, bias):
         rows = warm_up_linear(bias[:1], w, b, max_rows, weight_scale=scale)
         assert rows[0] == 1 and rows == sorted(rows) and len(rows) >= 4
