@@ -6,6 +6,9 @@ replace (a reducing or merging kernel after the split one, as at 909c0ee), on on
     git show 909c0ee:kernels/cuda/attention.py > kernels/cuda/attention_two_launch.py    #  committed)
     python3 loadtest/results/deterministic/split_one_launch/compare.py OUT_DIR
 
+It ran at a62495c (``compare.md``); 1bed926 reverted both one-launch paths, so at later commits the
+package's kernels are the two-launch ones again and the script compares them with themselves.
+
 Points: dense layers [N, K] at decode row counts, bf16 and block FP8 (``mok-loadtest linear``'s
 shapes), and decode attention calls (``mok-loadtest attention``'s). Before timing: the two versions'
 outputs bitwise equal (the same function), within 1e-2 (FP8: 3e-2) relative error norm of a float64
