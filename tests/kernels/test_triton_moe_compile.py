@@ -8,7 +8,7 @@ machines), registers and spills from ``ptxas -v``.
 """
 
 import pytest
-from sm90_compile import SHARED_BYTES, compile_for_sm90
+from sm90_compile import SHARED_BYTES, compile_for_sm90, no_spills
 
 pytest.importorskip("triton")
 
@@ -75,7 +75,7 @@ def test_gemms_compile_for_sm90_with_bf16_wgmma_in_every_regime(tmp_path):
     assert len(results) == 42
     for name, r in results.items():
         print(name, r["shared"], r["ptxas"].strip().splitlines()[-2:])
-        assert "0 bytes spill stores, 0 bytes spill loads" in r["ptxas"], (name, r["ptxas"])
+        assert no_spills(r["ptxas"]), (name, r["ptxas"])
         assert r["shared"] <= SHARED_BYTES, (name, r["shared"])
         assert r["bf16_wgmma"] and not r["mma_sync"], f"{name}: not (only) bf16 wgmma"
         if "decode_experts" in name:  # two programs per SM (pick_configs' one-launch rule)

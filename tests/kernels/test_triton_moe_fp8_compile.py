@@ -11,7 +11,7 @@ differently from the one here; this catches type errors, spills and lost wgmma e
 """
 
 import pytest
-from sm90_compile import SHARED_BYTES, compile_for_sm90
+from sm90_compile import SHARED_BYTES, compile_for_sm90, no_spills
 
 pytest.importorskip("triton")
 
@@ -83,7 +83,7 @@ def test_kernels_compile_for_sm90_with_fp8_wgmma_and_no_spills(tmp_path):
     results = compile_for_sm90(BODY, tmp_path)
     for name, r in results.items():
         print(name, r["shared"], r["ptxas"].strip().splitlines()[-2:])
-        assert "0 bytes spill stores, 0 bytes spill loads" in r["ptxas"], (name, r["ptxas"])
+        assert no_spills(r["ptxas"]), (name, r["ptxas"])
         assert r["shared"] <= SHARED_BYTES, (name, r["shared"])
         assert r["grid_dependency"], f"{name}: no programmatic dependent launch instructions"
         if name.startswith(("gemm", "decode")):
