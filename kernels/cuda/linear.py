@@ -36,13 +36,14 @@ def _chunk_sum(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_xs, stride_ws,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, TMA_A: tl.constexpr, SWAP_AB: tl.constexpr,
-    DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr,
+    DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
     """fp32 ``[BLOCK_M, BLOCK_N]`` sum of ``x[offs_m, k] * w[offs_n, k]`` over ``k_lo <= k < k_hi``
     in K order (``k_lo`` a multiple of BLOCK_K; only the tensor's end, ``K``, can be ragged). ``FP8``:
     e4m3 operands, 128-column K blocks, each block's products scaled by the activation row's scale
     ``xs[m, b]`` and the weight block's ``ws[n // 128, b]`` (``scaled_block_dot``). ``TMA_A``: the
-    activation tiles through ``x_desc`` (zero past the rows and K, as the masked loads)."""
+    activation tiles through ``x_desc`` (zero past the rows and K, as the masked loads). ``WARP_SPEC``:
+    the loads in a producer partition of warps apart from the wgmma ones (Triton's warp specialization)."""
     offs_k = tl.arange(0, BLOCK_K)
     if FP8:
         xs_ptrs = xs_ptr + offs_m.to(tl.int64) * stride_xs
@@ -51,7 +52,7 @@ def _chunk_sum(
     if not USE_TMA:
         w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + (k_lo + offs_k)[:, None] * stride_wk
     acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
-    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES, warp_specialize=WARP_SPEC):
         k_ok = offs_k < K - k0
         if TMA_A:
             a = x_desc.load([pid_m * BLOCK_M, k0])
@@ -91,7 +92,7 @@ def _linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     STAGES: tl.constexpr, SPLIT: tl.constexpr, MULTI_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, TMA_A: tl.constexpr, SWAP_AB: tl.constexpr,
-    DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
+    DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr, WARP_SPEC: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (tile[, chunk]): with ``SPLIT`` the fp32 sum of chunk ``program_id(1)`` into
     ``part[chunk]`` ([chunks, M, N]); else the tile's chunk sums added in chunk order, the bias, one
@@ -109,19 +110,19 @@ def _linear_kernel(
         k_lo = tl.program_id(1) * K_CHUNK
         acc = _chunk_sum(x_ptr, x_desc, w_ptr, w_desc, xs_ptr, ws_ptr, offs_m, row_ok, offs_n, n_ok, pid_m, pid_n, k_lo, tl.minimum(k_lo + K_CHUNK, K), K,
                          stride_xm, stride_xk, stride_wn, stride_wk, stride_xs, stride_ws,
-                         BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K, EVEN_N, USE_TMA, TMA_A, SWAP_AB, DOT_IEEE, DOT_F32, FP8)
+                         BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K, EVEN_N, USE_TMA, TMA_A, SWAP_AB, DOT_IEEE, DOT_F32, FP8, WARP_SPEC)
         p_ptrs = part_ptr + tl.program_id(1).to(tl.int64) * stride_part + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
         tl.store(p_ptrs, acc, mask=row_ok[:, None] & n_ok[None, :])
     else:
         total = _chunk_sum(x_ptr, x_desc, w_ptr, w_desc, xs_ptr, ws_ptr, offs_m, row_ok, offs_n, n_ok, pid_m, pid_n, 0, tl.minimum(K_CHUNK, K), K,
                            stride_xm, stride_xk, stride_wn, stride_wk, stride_xs, stride_ws,
-                           BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K, EVEN_N, USE_TMA, TMA_A, SWAP_AB, DOT_IEEE, DOT_F32, FP8)
+                           BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K, EVEN_N, USE_TMA, TMA_A, SWAP_AB, DOT_IEEE, DOT_F32, FP8, WARP_SPEC)
         if MULTI_CHUNK:
             for k_lo in range(K_CHUNK, K, K_CHUNK):
                 total += _chunk_sum(x_ptr, x_desc, w_ptr, w_desc, xs_ptr, ws_ptr, offs_m, row_ok, offs_n, n_ok, pid_m, pid_n, k_lo,
                                     tl.minimum(k_lo + K_CHUNK, K), K, stride_xm, stride_xk, stride_wn, stride_wk,
                                     stride_xs, stride_ws, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K, EVEN_N, USE_TMA,
-                                    TMA_A, SWAP_AB, DOT_IEEE, DOT_F32, FP8)
+                                    TMA_A, SWAP_AB, DOT_IEEE, DOT_F32, FP8, WARP_SPEC)
         _store_rows(total, bias_ptr, y_ptr, offs_m, row_ok, offs_n, n_ok, stride_ym, HAS_BIAS, DOT_F32)
 
 
@@ -235,9 +236,9 @@ def _linear(x, weight, weight_scale, bias, config, split, pdl) -> torch.Tensor:
         ws = weight_scale
     else:
         a, xs, ws = rows, y, y  # (xs, ws: unread placeholders)
-    # TMA for the activations only where they are this call's own quantized copy (always contiguous and
-    # aligned, so the choice is the layer's, never the call's: no variant appears while serving).
-    tma_a = bool(g.get("TMA_A")) and fp8 and not interpret and tma_ok(a)
+    # TMA for the activations: ``a`` is this call's quantized copy or the contiguous, aligned ``rows``, so
+    # whether TMA can read it is the layer's choice (K), never the call's: no variant appears while serving.
+    tma_a = bool(g.get("TMA_A")) and not interpret and tma_ok(a)
     x_desc = descriptor(a, [bm, bk]) if tma_a else a
     w_desc = weight
     if g["USE_TMA"]:
@@ -255,7 +256,8 @@ def _linear(x, weight, weight_scale, bias, config, split, pdl) -> torch.Tensor:
         a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), xs.stride(0), ws.stride(0), y.stride(0), m * n,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=g["GROUP_M"], STAGES=g["num_stages"], SPLIT=split,
         MULTI_CHUNK=chunks > 1, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, EVEN_N=n % bn == 0,
-        USE_TMA=g["USE_TMA"], TMA_A=tma_a, SWAP_AB=g["SWAP_AB"], **common,
+        USE_TMA=g["USE_TMA"], TMA_A=tma_a, SWAP_AB=g["SWAP_AB"], WARP_SPEC=bool(g.get("WARP_SPEC")) and tma_a and g["USE_TMA"],
+        **common,
         num_warps=g["num_warps"], num_stages=g["num_stages"], **pdl_launch(y, pdl, interpret),
     )
     if split:

@@ -34,7 +34,7 @@ for fp8 in (False, True):
                            STAGES=g["num_stages"], SPLIT=split, MULTI_CHUNK=True, HAS_BIAS=True, EVEN_K=True,
                            EVEN_N=True, USE_TMA=True, TMA_A=g.get("TMA_A", False), SWAP_AB=g.get("SWAP_AB", False),
                            DOT_IEEE=False, DOT_F32=False,
-                           FP8=fp8, PDL=True),
+                           FP8=fp8, WARP_SPEC=g.get("WARP_SPEC", False), PDL=True),
                       g["num_warps"], g["num_stages"])
 build("quantize_rows", lin._quantize_kernel, dict(x_ptr="*bf16", xq_ptr="*fp8e4nv", xs_ptr="*fp32"),
       dict(M=7, K=4096, stride_xm=4096, stride_xk=1), dict(QROWS=lin._QUANTIZE_ROWS, RNE_FIX=False, PDL=True), 4, 1)
@@ -47,7 +47,7 @@ build("linear_all_ones", lin._linear_kernel,
            stride_ym=1, stride_part=1),
       dict(BLOCK_M=g["BLOCK_M"], BLOCK_N=g["BLOCK_N"], BLOCK_K=g["BLOCK_K"], GROUP_M=1, STAGES=g["num_stages"],
            SPLIT=False, MULTI_CHUNK=False, HAS_BIAS=False, EVEN_K=False, EVEN_N=False, USE_TMA=False, TMA_A=False,
-           SWAP_AB=True, DOT_IEEE=False, DOT_F32=False, FP8=False, PDL=True), g["num_warps"], g["num_stages"])
+           SWAP_AB=True, DOT_IEEE=False, DOT_F32=False, FP8=False, WARP_SPEC=False, PDL=True), g["num_warps"], g["num_stages"])
 for m, n, chunks in ((1, 1, 1), (7, 4096, 8)):
     build(f"reduce_{m}x{n}", lin._linear_reduce_kernel,
           dict(part_ptr="*fp32", bias_ptr="*bf16", y_ptr="*bf16"),

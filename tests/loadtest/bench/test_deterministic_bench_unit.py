@@ -72,13 +72,19 @@ def test_linear_sweep_points_and_table():
         config, _, _ = linear_plan(rows, 5120, 2048, {**linear_plan(rows, 5120, 2048, fp8=True)[0], **overrides}, fp8=True)
         assert config["BLOCK_K"] == 128 and config.get("TMA_A", False) == ("TMA A" in label), label
         assert config["SWAP_AB"] == ("swap" in label), label
+    for label in (x for x in linear.SWEEP if x.endswith((" TMA A", " WS")) and not x.startswith("fp8 ")):
+        overrides, _ = linear.SWEEP[label]  # bf16 prefill tiles: activations by TMA, warp-specialized or not
+        config, _, _ = linear_plan(2048, 5120, 2048, {**linear_plan(2048, 5120, 2048)[0], **overrides})
+        assert config["TMA_A"] and config["WARP_SPEC"] == label.endswith(" WS") and config["BLOCK_K"] == 64, label
     meta = dict(gpu="g", commit="c", timing="median")
     results = [dict(model="m", layer="l", rows=8, label="default", same_bits=True, floor_ms=0.01, median_ms=0.02),
                dict(model="m", layer="l", rows=8, label="x", same_bits=False, floor_ms=0.01),
+               dict(model="m", layer="l", rows=8, label="y", same_bits=None, error="CompilationError: z", floor_ms=0.01),
                dict(model="m", layer="l", rows=8, label="cublas", same_bits=None, floor_ms=0.01, median_ms=0.01)]
     md = linear.sweep_markdown(meta, results)
-    assert "| m | l | 8 | default | 20.0 | 2.00 | yes |" in md and "| m | l | 8 | x | - | - | **NO** |" in md
-    assert "| m | l | 8 | cublas | 10.0 | 1.00 | n/a |" in md
+    assert "| m | l | 8 | default | 20.0 | 2.00 | 0.50 | yes |" in md and "| m | l | 8 | x | - | - | - | **NO** |" in md
+    assert "| m | l | 8 | cublas | 10.0 | 1.00 | 1.00 | n/a |" in md and "| m | l | 8 | y | - | - | - | error |" in md
+    assert "- m l 8 rows, y: CompilationError: z" in md
 
 
 def test_multinode_ep_model_counts_are_consistent():
