@@ -149,8 +149,8 @@ def _linear_reduce_kernel(
 def linear_plan(rows: int, n: int, k: int, config: dict | None = None, *, fp8: bool = False) -> tuple[dict, int, bool]:
     """(tile config, K chunk length, whether chunks run in separate programs) of a call with
     ``rows`` rows and a weight ``[n, k]``; shapes only. ``config`` overrides the tile; ``fp8``
-    (block-FP8 weights) takes 128-column K blocks, one weight scale block each, and its prefill
-    tiles read the activations by TMA (``TMA_A``)."""
+    (block-FP8 weights) takes 128-column K blocks, one weight scale block each. Prefill tiles read
+    the activations by TMA (``TMA_A``: FP8 past 64 rows, bf16 past 256)."""
     g = dict(config) if config is not None else pick_linear_config(rows, n, k, fp8=fp8)
     if fp8:
         g["BLOCK_K"] = FP8_BLOCK

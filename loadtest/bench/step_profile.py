@@ -31,7 +31,7 @@ import time
 
 # Kinds of kernels, first match wins (kernel names of vLLM 0.32, Triton, cuBLAS/CUTLASS, kittens).
 KINDS = (
-    ("moe", r"moe|expert|topk_weight|_combine"),
+    ("moe", r"moe|expert|topk_weight|_combine|_fp8_gemm[12]_kernel|_fp8_schedule"),  # (kittens' block-FP8 experts)
     ("attention", r"attention|attn|reshape_and_cache|rotary|rope"),
     ("dense gemm", r"gemm|matmul|_linear_kernel|_linear_reduce|cutlass|xmma|nvjet|gemv|sm90|splitk"),
     ("norm", r"rms|norm"),

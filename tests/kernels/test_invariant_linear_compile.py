@@ -1,5 +1,5 @@
 """The batch-invariant dense GEMM compiles for Hopper (sm_90a) without a GPU, for every tile config
-``linear_plan`` gives (FP8 tiles past 64 rows with their activations by TMA), with its K chunks in one program and split over programs, bf16 and
+``linear_plan`` gives (FP8 tiles past 64 rows and bf16 ones past 256 with their activations by TMA), with its K chunks in one program and split over programs, bf16 and
 block FP8: bf16 (or FP8) wgmma only (what its bit-for-bit invariance across tiles rests on), no
 register spills, shared memory within an SM's 227 KB; and with the per-call integers at 1 (Triton
 passes them as constants). Same method as tests/kernels/test_triton_moe_compile.py."""

@@ -77,8 +77,11 @@ def test_every_tile_and_split_gives_the_same_bits():
         for rows in (1, 20, 40, 100, 300):
             cfg = configs.pick_linear_config(rows, n, k)
             for split in (False, True):
-                for tma in (False, True):
-                    out = invariant_linear_triton(x, w, b, config=dict(cfg, USE_TMA=tma), split=split)
+                # Weights by pointer loads or TMA; activations by TMA too (where K's rows are 16-byte
+                # aligned, else the launcher falls back), and with the K loop warp-specialized.
+                for tma in (dict(USE_TMA=False, TMA_A=False), dict(USE_TMA=True, TMA_A=False),
+                            dict(USE_TMA=True, TMA_A=True), dict(USE_TMA=True, TMA_A=True, WARP_SPEC=True)):
+                    out = invariant_linear_triton(x, w, b, config={**cfg, **tma}, split=split)
                     first = out if first is None else first
                     assert torch.equal(out, first), (n, k, cfg, split, tma)
 

@@ -8,9 +8,11 @@ def test_kernel_kinds():
     kinds = {name: step_profile.kind_of(name) for name in [
         "_moe_decode_experts_kernel", "fused_moe_kernel", "kernel_unified_attention", "reshape_and_cache_flash_kernel",
         "matmul_kernel_persistent", "_linear_kernel", "nvjet_tst_128x64_64x8", "sm90_xmma_gemm_bf16bf16",
-        "_rms_norm_kernel", "void vllm::fused_add_rms_norm_kernel", "_log_softmax_kernel", "triton_poi_fused_mul_0"]}
+        "_rms_norm_kernel", "void vllm::fused_add_rms_norm_kernel", "_log_softmax_kernel", "triton_poi_fused_mul_0",
+        "_fp8_gemm1_kernel", "_fp8_gemm2_kernel", "_fp8_schedule_quantize_kernel"]}
     assert [kinds[k] for k in kinds] == ["moe", "moe", "attention", "attention", "dense gemm", "dense gemm",
-                                         "dense gemm", "dense gemm", "norm", "norm", "sampling/logits", "other"]
+                                         "dense gemm", "dense gemm", "norm", "norm", "sampling/logits", "other",
+                                         "moe", "moe", "moe"]  # (kittens' block-FP8 experts)
 
 
 def test_decode_step_is_the_difference_per_step_and_tables_render():
