@@ -256,8 +256,8 @@ def _linear(x, weight, weight_scale, bias, config, split, pdl) -> torch.Tensor:
         a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), xs.stride(0), ws.stride(0), y.stride(0), m * n,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=g["GROUP_M"], STAGES=g["num_stages"], SPLIT=split,
         MULTI_CHUNK=chunks > 1, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, EVEN_N=n % bn == 0,
-        USE_TMA=g["USE_TMA"], TMA_A=tma_a, SWAP_AB=g["SWAP_AB"], WARP_SPEC=bool(g.get("WARP_SPEC")) and tma_a and g["USE_TMA"],
-        **common,
+        USE_TMA=g["USE_TMA"], TMA_A=tma_a, SWAP_AB=g["SWAP_AB"],
+        WARP_SPEC=bool(g.get("WARP_SPEC")) and tma_a and g["USE_TMA"], **common,
         num_warps=g["num_warps"], num_stages=g["num_stages"], **pdl_launch(y, pdl, interpret),
     )
     if split:

@@ -61,10 +61,10 @@ def _fp8_tile(bm: int, bn: int, stages: int, warps: int, *, tma_a: bool = True) 
     return dict(BLOCK_M=bm, BLOCK_N=bn, num_stages=stages, num_warps=warps, SWAP_AB=False, GROUP_M=8, TMA_A=tma_a)
 
 
-def _bf16_tile(bm: int, bn: int, stages: int, warps: int, *, ws: bool = False) -> dict:
-    """A bf16 prefill tile's overrides with the activations by TMA (``ws``: warp-specialized K loop)."""
+def _bf16_tile(bm: int, bn: int, stages: int, warps: int, *, tma_a: bool = True, ws: bool = False) -> dict:
+    """A bf16 prefill tile's overrides, activations by TMA or not (``ws``: warp-specialized K loop)."""
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, num_stages=stages, num_warps=warps, SWAP_AB=False, GROUP_M=8,
-                TMA_A=True, WARP_SPEC=ws)
+                TMA_A=tma_a, WARP_SPEC=ws)
 
 
 # Tile variants of the sweep: label -> (config overrides of pick_linear_config's, split override).
@@ -98,16 +98,13 @@ SWEEP = {
     "fp8 swap 16x64 s8": (dict(BLOCK_M=16, BLOCK_N=64, num_stages=8, num_warps=4, SWAP_AB=True, GROUP_M=1), None),
     "fp8 swap 16x128 s4": (dict(BLOCK_M=16, BLOCK_N=128, num_stages=4, num_warps=4, SWAP_AB=True, GROUP_M=1), None),
     "fp8 swap 16x128 s6": (dict(BLOCK_M=16, BLOCK_N=128, num_stages=6, num_warps=4, SWAP_AB=True, GROUP_M=1), None),
-    # Prefill tiles (2048-8192 rows) with the activations by TMA too (bf16 read them by pointer loads up
-    # to 0ad462b), wider ones, and Triton's warp specialization of the K loop (a producer partition).
-    "128x128 s4 w8 TMA A": (_bf16_tile(128, 128, 4, 8), None),
-    "128x256 s3 w8 TMA A": (_bf16_tile(128, 256, 3, 8), None),
-    "128x256 s4 w8 TMA A": (_bf16_tile(128, 256, 4, 8), None),
-    "256x128 s3 w8 TMA A": (_bf16_tile(256, 128, 3, 8), None),
+    # bf16 prefill tiles (2048-8192 rows): the default reads the activations by TMA since b5eefb9 (1-4%
+    # faster there than pointer loads); Triton's warp specialization of the K loop (a producer partition)
+    # gained 0-1.5% at b5eefb9 (linear_sweep_b5eefb9_h100.md, which also has 2-4x slower 128 x 256 and
+    # 256 x 128 tiles: they spill).
+    "128x128 s4 w8 pointer A": (_bf16_tile(128, 128, 4, 8, tma_a=False), None),
     "128x128 s4 w8 WS": (_bf16_tile(128, 128, 4, 8, ws=True), None),
-    "128x256 s3 w8 WS": (_bf16_tile(128, 256, 3, 8, ws=True), None),
     "fp8 128x128 s4 w8 TMA A WS": (dict(_fp8_tile(128, 128, 4, 8), WARP_SPEC=True), None),
-    "fp8 128x256 s3 w8 TMA A": (_fp8_tile(128, 256, 3, 8), None),
 }
 
 

@@ -74,10 +74,11 @@ def test_linear_sweep_points_and_table():
         config, _, _ = linear_plan(rows, 5120, 2048, {**linear_plan(rows, 5120, 2048, fp8=True)[0], **overrides}, fp8=True)
         assert config["BLOCK_K"] == 128 and config.get("TMA_A", False) == ("TMA A" in label), label
         assert config["SWAP_AB"] == ("swap" in label), label
-    for label in (x for x in linear.SWEEP if x.endswith((" TMA A", " WS")) and not x.startswith("fp8 ")):
-        overrides, _ = linear.SWEEP[label]  # bf16 prefill tiles: activations by TMA, warp-specialized or not
+    assert linear_plan(2048, 5120, 2048)[0]["TMA_A"]  # bf16 prefill: activations by TMA by default
+    for label in ("128x128 s4 w8 pointer A", "128x128 s4 w8 WS"):  # ... against pointer loads, warp-specialized
+        overrides, _ = linear.SWEEP[label]
         config, _, _ = linear_plan(2048, 5120, 2048, {**linear_plan(2048, 5120, 2048)[0], **overrides})
-        assert config["TMA_A"] and config["WARP_SPEC"] == label.endswith(" WS") and config["BLOCK_K"] == 64, label
+        assert config["TMA_A"] == label.endswith(" WS") and config["WARP_SPEC"] == label.endswith(" WS"), label
     meta = dict(gpu="g", commit="c", timing="median")
     results = [dict(model="m", layer="l", rows=8, label="default", same_bits=True, floor_ms=0.01, median_ms=0.02),
                dict(model="m", layer="l", rows=8, label="x", same_bits=False, floor_ms=0.01),
