@@ -285,7 +285,7 @@ def _pick_linear_config(rows: int, n: int, k: int, fp8: bool) -> tuple:
     # Past 256 rows the activations come by TMA too (TMA_A): H100 sweep at b5eefb9
     # (loadtest/results/deterministic/linear_sweep_b5eefb9_h100.md), against pointer loads: 1-4% faster
     # at 2048 and 8192 rows on Qwen3-30B-A3B's qkv_proj and o_proj and GLM-4.5-Air's o_proj. Wider
-    # tiles (128 x 256, 256 x 128) spill with the chunk sum's second accumulator and ran 2-4x slower.
+    # tiles (128 x 256, 256 x 128) ran 1.3-3.9x slower (they spill registers in an sm_90a compile).
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=kdim_block(k), num_warps=8, num_stages=4, USE_TMA=True, TMA_A=True,
                 GROUP_M=8).items()
 

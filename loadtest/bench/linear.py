@@ -98,9 +98,9 @@ SWEEP = {
     "fp8 swap 16x64 s8": (dict(BLOCK_M=16, BLOCK_N=64, num_stages=8, num_warps=4, SWAP_AB=True, GROUP_M=1), None),
     "fp8 swap 16x128 s4": (dict(BLOCK_M=16, BLOCK_N=128, num_stages=4, num_warps=4, SWAP_AB=True, GROUP_M=1), None),
     "fp8 swap 16x128 s6": (dict(BLOCK_M=16, BLOCK_N=128, num_stages=6, num_warps=4, SWAP_AB=True, GROUP_M=1), None),
-    # bf16 prefill tiles (2048-8192 rows): the default reads the activations by TMA since b5eefb9 (1-4%
+    # bf16 prefill tiles (2048-8192 rows): the default reads the activations by TMA since 625cd43 (1-4%
     # faster there than pointer loads); Triton's warp specialization of the K loop (a producer partition)
-    # gained 0-1.5% at b5eefb9 (linear_sweep_b5eefb9_h100.md, which also has 2-4x slower 128 x 256 and
+    # gained 0-1.5% at b5eefb9 (linear_sweep_b5eefb9_h100.md, which also has 1.3-3.9x slower 128 x 256 and
     # 256 x 128 tiles: they spill).
     "128x128 s4 w8 pointer A": (_bf16_tile(128, 128, 4, 8, tma_a=False), None),
     "128x128 s4 w8 WS": (_bf16_tile(128, 128, 4, 8, ws=True), None),
