@@ -149,7 +149,7 @@ def sweep(points, labels, repeats: int, gen, fp8_flops: float | None = None) -> 
             fn = lambda cfg=cfg, split=split: kittens(x, *args, config=cfg, split=split)  # noqa: E731
             try:
                 same = bool(torch.equal(fn(), default))
-            except Exception as e:  # a variant this Triton cannot compile: recorded, the others still run
+            except Exception as e:  # a variant that raises (most often: does not compile) is recorded, the others still run
                 out.append(dict(point, label=label, same_bits=None, error=f"{type(e).__name__}: {e}"[:300], times_ms=[]))
                 continue
             out.append(dict(point, label=label, same_bits=same, times_ms=[]))
@@ -169,7 +169,7 @@ def sweep(points, labels, repeats: int, gen, fp8_flops: float | None = None) -> 
 def sweep_markdown(meta: dict, results: list[dict]) -> str:
     """The sweep's table: each variant's median, its floor ratio and the baseline's time over its own
     (``vs base``: cuBLAS, or vLLM's CUTLASS GEMM with ``--fp8``, timed in the same run); variants that
-    did not compile are listed under it with the error."""
+    raised (most often: did not compile) are listed under it with the error."""
     base = {(r["model"], r["layer"], r["rows"]): r.get("median_ms") for r in results
             if r["label"] in ("cublas", "vllm-cutlass")}
     lines = [f"# Invariant GEMM tile sweep ({meta['gpu']}, commit {meta['commit']})", "", meta["timing"], "",
@@ -184,7 +184,7 @@ def sweep_markdown(meta: dict, results: list[dict]) -> str:
         same = "error" if r.get("error") else "n/a" if r["same_bits"] is None else "yes" if r["same_bits"] else "**NO**"
         lines.append(f"| {r['model']} | {r['layer']} | {r['rows']} | {r['label']} | {time_us} | {x_floor} | {vs_base} | {same} |")
     errors = [f"- {r['model']} {r['layer']} {r['rows']} rows, {r['label']}: {r['error']}" for r in results if r.get("error")]
-    return "\n".join(lines + (["", "Not compiled:", *errors] if errors else [])) + "\n"
+    return "\n".join(lines + (["", "Not run (the variant raised):", *errors] if errors else [])) + "\n"
 
 
 def floor_ms(rows: int, n: int, k: int, fp8_flops: float | None = None) -> float:

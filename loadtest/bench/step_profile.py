@@ -47,16 +47,18 @@ def kind_of(kernel: str) -> str:
     return "other"
 
 
-def kernel_times_us(prof) -> dict[str, float]:
-    """Total GPU time (us) per kernel name of a finished torch profiler (kernels inside CUDA-graph
-    replays included: CUPTI reports each)."""
+def kernel_times_us(prof) -> tuple[dict[str, float], int]:
+    """Total GPU time (us) per kernel name of a finished torch profiler, and how many kernels ran
+    (kernels inside CUDA-graph replays included: CUPTI reports each)."""
     import torch
 
     totals: dict[str, float] = collections.defaultdict(float)
+    count = 0
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             totals[event.name] += event.time_range.elapsed_us()
-    return totals
+            count += 1
+    return totals, count
 
 
 def decode_step(short: dict[str, float], long: dict[str, float], steps: int) -> dict[str, float]:
@@ -71,9 +73,10 @@ def by_kind(per_kernel: dict[str, float]) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-def summary(per_kernel: dict[str, float], wall_ms: float) -> dict:
-    """Wall time, GPU kernel time, time by kind and the 30 longest kernels of a profiled span."""
-    return dict(wall_ms=wall_ms, gpu_us=sum(per_kernel.values()), by_kind_us=by_kind(per_kernel),
+def summary(per_kernel: dict[str, float], wall_ms: float, kernels: float) -> dict:
+    """Wall time, GPU kernel time, kernels run, time by kind and the 30 longest kernels of a profiled
+    span. Wall time well above kernel time with many kernels says the host's launches bound the span."""
+    return dict(wall_ms=wall_ms, gpu_us=sum(per_kernel.values()), kernels=kernels, by_kind_us=by_kind(per_kernel),
                 top_kernels_us=sorted(per_kernel.items(), key=lambda kv: -kv[1])[:30])
 
 
@@ -94,13 +97,17 @@ def markdown(result: dict) -> str:
              f"{result['deterministic']}; {result['gpu']}, commit {result['commit']}, vLLM {result['vllm']}",
              f"- {result['batch']} prompt(s) of {result['input_len']} tokens, {result['decode_steps']} decode "
              "steps measured",
-             f"- wall time per decode step: {step['wall_ms']:.3f} ms; GPU kernel time: {step['gpu_us'] / 1e3:.3f} ms", "",
+             *([f"- compilation config: `{json.dumps(result['compilation_config'])}`"]
+               if result.get("compilation_config") else []),
+             f"- wall time per decode step: {step['wall_ms']:.3f} ms; GPU kernel time: {step['gpu_us'] / 1e3:.3f} ms; "
+             f"kernels: {step['kernels']:.0f}", "",
              *_tables(step, "per step")]
     prefill = result.get("prefill")
     if prefill:
         lines += ["", f"## Prefill of {prefill['prompts']} prompts x {result['input_len']} tokens together "
                   f"({prefill['prompts'] * result['input_len']} tokens, 1 output token each)", "",
-                  f"- wall time: {prefill['wall_ms']:.1f} ms; GPU kernel time: {prefill['gpu_us'] / 1e3:.1f} ms", "",
+                  f"- wall time: {prefill['wall_ms']:.1f} ms; GPU kernel time: {prefill['gpu_us'] / 1e3:.1f} ms; "
+                  f"kernels: {prefill['kernels']}", "",
                   *_tables(prefill, "in all")]
     return "\n".join(lines) + "\n"
 
@@ -121,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-prompts", type=int, default=0,
                    help="also profile the prefill of this many --input-len prompts submitted together (default: 0, off)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--compilation-config", type=json.loads, default=None,
+                   help="vLLM's compilation config as JSON, e.g. '{\"max_cudagraph_capture_size\": 1024}' "
+                        "(default: vLLM's)")
     p.add_argument("--label", default=None, help="result file label (default: backend and mode)")
     p.add_argument("--out", default=".", help="folder for step_profile_<label>.{json,md}")
     args = p.parse_args(argv)
@@ -150,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
                   enable_prefix_caching=False)
     if args.attention_backend:
         kwargs["attention_backend"] = args.attention_backend
+    if args.compilation_config:
+        kwargs["compilation_config"] = args.compilation_config
     llm = LLM(**kwargs)
     vocab = llm.get_tokenizer().vocab_size
     g = torch.Generator().manual_seed(0)
@@ -157,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     def random_prompt() -> dict:
         return {"prompt_token_ids": torch.randint(100, min(vocab, 30000), (args.input_len,), generator=g).tolist()}
 
-    def run(prompts: list[dict], tokens: int) -> tuple[dict[str, float], float]:
+    def run(prompts: list[dict], tokens: int) -> tuple[tuple[dict[str, float], int], float]:
         params = SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0.0, ignore_eos=True)
         llm.generate(prompts, params, use_tqdm=False)  # warm: same shapes, nothing compiles inside the profile
         torch.cuda.synchronize()
@@ -169,19 +181,21 @@ def main(argv: list[str] | None = None) -> int:
         return kernel_times_us(prof), wall
 
     prompts = [random_prompt() for _ in range(args.batch)]
-    short, wall_short = run(prompts, 1)
-    long, wall_long = run(prompts, 1 + args.decode_steps)
+    (short, short_count), wall_short = run(prompts, 1)
+    (long, long_count), wall_long = run(prompts, 1 + args.decode_steps)
     per_kernel = decode_step(short, long, args.decode_steps)
     label = args.label or f"{args.moe_backend}{'-deterministic' if args.deterministic else ''}"
     result = dict(
         label=label, model=args.model, moe_backend=args.moe_backend, deterministic=args.deterministic,
         input_len=args.input_len, decode_steps=args.decode_steps, batch=args.batch, gpu=torch.cuda.get_device_name(),
+        compilation_config=args.compilation_config,
         commit=provenance.git_commit(), vllm=vllm.__version__, date=datetime.datetime.now(datetime.UTC).isoformat(),
-        decode_step=summary(per_kernel, (wall_long - wall_short) / args.decode_steps * 1e3),
+        decode_step=summary(per_kernel, (wall_long - wall_short) / args.decode_steps * 1e3,
+                            (long_count - short_count) / args.decode_steps),
     )
     if args.prefill_prompts:
-        prefill, wall = run([random_prompt() for _ in range(args.prefill_prompts)], 1)
-        result["prefill"] = dict(summary(prefill, wall * 1e3), prompts=args.prefill_prompts)
+        (prefill, count), wall = run([random_prompt() for _ in range(args.prefill_prompts)], 1)
+        result["prefill"] = dict(summary(prefill, wall * 1e3, count), prompts=args.prefill_prompts)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"step_profile_{label}.json").write_text(json.dumps(result, indent=1))

@@ -24,15 +24,19 @@ def test_decode_step_is_the_difference_per_step_and_tables_render():
     assert list(kinds) == ["dense gemm", "moe", "attention"]
     result = dict(label="x", model="m", moe_backend="kittens", deterministic=True, gpu="g", commit="c", vllm="v",
                   input_len=512, decode_steps=8, batch=256,
-                  decode_step=dict(wall_ms=1.5, gpu_us=170.0, by_kind_us=kinds, top_kernels_us=sorted(step.items())))
+                  decode_step=dict(wall_ms=1.5, gpu_us=170.0, kernels=3.0, by_kind_us=kinds,
+                                   top_kernels_us=sorted(step.items())))
     md = step_profile.markdown(result)
     assert "| dense gemm | 100.0 | 58.8% |" in md and "wall time per decode step: 1.500 ms" in md
+    assert "kernels: 3" in md and "compilation config" not in md
     assert md.startswith("# One decode step at c=256: x") and "256 prompt(s) of 512 tokens" in md
     assert "Prefill" not in md
-    result["prefill"] = dict(step_profile.summary(long, 40.0), prompts=4)
+    result["prefill"] = dict(step_profile.summary(long, 40.0, 3), prompts=4)
+    result["compilation_config"] = {"max_cudagraph_capture_size": 1024}
     assert result["prefill"]["gpu_us"] == 1470.0 and list(result["prefill"]["by_kind_us"])[0] == "dense gemm"
     md = step_profile.markdown(result)
     assert "## Prefill of 4 prompts x 512 tokens together (2048 tokens" in md and "| dense gemm | 900.0 | 61.2% |" in md
+    assert '- compilation config: `{"max_cudagraph_capture_size": 1024}`' in md
 
 
 def test_linear_bench_floor_table_and_history_rows():
