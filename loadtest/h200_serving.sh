@@ -19,7 +19,8 @@
 # GPUs of one machine run side by side (CUDA_VISIBLE_DEVICES picks each one's GPU). Set MOK_COMMIT
 # where the tree has no .git. WEIGHT_GIB (build-model's --weight-gib, default its own 80) picks how many
 # layers a deep shape keeps (DeepSeek-V3 FP8: 40 keeps 3 dense + 3 MoE layers, 30 keeps 3 + 2;
-# `mok-serve build-model --list` gives the sizes).
+# `mok-serve build-model --list` gives the sizes). SERVE_ARGS (split on spaces) go to every server's
+# command line, e.g. SERVE_ARGS='--compilation-config {"max_cudagraph_capture_size":1024}'.
 # Runs on the device machine, vLLM from ../shared/gpu-vllm.
 set -euo pipefail
 shape=$1 out=$3 rate=${4:-24}
@@ -42,7 +43,7 @@ start() {  # BACKEND PORT: a server in the background
     *) echo "BACKEND must be stock or kittens, either with -deterministic" >&2; exit 2 ;; esac
   mkdir -p "$out/$backend"
   mok-serve "$model" --moe-backend "$moe" "${mode[@]}" --served-model-name "$shape" --port "$port" \
-    --load-format dummy --attention-backend TRITON_ATTN --max-model-len 8192 "${memory[@]}" \
+    --load-format dummy --attention-backend TRITON_ATTN --max-model-len 8192 "${memory[@]}" ${SERVE_ARGS:-} \
     >"$out/$backend/server.log" 2>&1 &
   servers+=($!)
 }

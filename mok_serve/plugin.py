@@ -81,7 +81,7 @@ def register() -> None:
     random_weights.register()
     _reject_unsupported_quantization()
     _bind_all2all_for_kittens()
-    deterministic.keep_compiled_forward()
+    deterministic.adapt_vllm_start_up()
     UnquantizedFusedMoEMethod.register_oot(KittensFusedMoEMethod)
     # Fp8MoEMethod is no custom op (no out-of-tree slot): Fp8Config.get_quant_method looks the
     # name up in its module at each call, so binding the subclass there makes it the FP8 method.

@@ -6,13 +6,13 @@ Builds MODEL in this process with vLLM's offline engine (``VLLM_ENABLE_V1_MULTIP
 torch profiler sees the model's kernels; vLLM's defaults otherwise: torch.compile, CUDA graphs),
 then profiles two greedy generations of the same ``--batch`` random prompts, submitted together: 1
 output token each (the prefill) and 1 + ``--decode-steps`` tokens each. Their difference, divided by
-the steps, is one decode step of ``--batch`` sequences: wall
-time, and GPU kernel time by kernel and by kind (dense GEMM, MoE, attention, norms, sampling,
-other). ``--prefill-prompts P`` also profiles one generation of 1 token for each of P different
-random prompts of ``--input-len`` tokens, submitted together (vLLM chunks them into steps of its
-default batched-token budget): the prefill-heavy end of serving. ``--deterministic`` runs vLLM's
+the steps, is one decode step of ``--batch`` sequences: wall time (of a run without the profiler),
+and GPU kernel time by kernel and by kind (dense GEMM, MoE, attention, norms, sampling, other).
+``--prefill-prompts P`` also profiles one generation of 1 token for each of P different random prompts
+of ``--input-len`` tokens, submitted together (vLLM chunks them into steps of its default
+batched-token budget): the prefill-heavy end of serving. ``--deterministic`` runs vLLM's
 batch-invariant mode (``VLLM_BATCH_INVARIANT=1``; with ``--moe-backend kittens`` kittens' invariant
-kernels too), as ``mok-serve --deterministic``.
+kernels and CUDA graphs up to 2048 tokens too), as ``mok-serve --deterministic``.
 
 Output: ``step_profile_<label>.{json,md}`` in ``--out``.
 """
@@ -173,11 +173,15 @@ def main(argv: list[str] | None = None) -> int:
         params = SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0.0, ignore_eos=True)
         llm.generate(prompts, params, use_tqdm=False)  # warm: same shapes, nothing compiles inside the profile
         torch.cuda.synchronize()
+        # Wall time without the profiler, which adds host time to every launch (an eager 600-token
+        # step: ~180 ms profiled, ~110 ms not).
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            t0 = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
             torch.cuda.synchronize()
-            wall = time.perf_counter() - t0
         return kernel_times_us(prof), wall
 
     prompts = [random_prompt() for _ in range(args.batch)]

@@ -24,9 +24,9 @@ invariant:
 
 Only a server whose MoE backend is kittens changes: ``install`` runs when the first kittens MoE
 layer is built (in each worker, before any forward pass or compilation), so stock servers with
-``VLLM_BATCH_INVARIANT=1`` stay stock and comparable. ``keep_compiled_forward`` (at plugin
+``VLLM_BATCH_INVARIANT=1`` stay stock and comparable. ``adapt_vllm_start_up`` (at plugin
 registration, before any config is built) keeps such a server's forward compiled, its RMSNorms
-kittens'.
+kittens', and captures CUDA graphs of prefill-sized steps.
 """
 
 import vllm.envs as envs
@@ -143,8 +143,18 @@ def kittens_runs_the_dense_layers(config) -> bool:
     return capability is not None and capability.major >= 9
 
 
-def keep_compiled_forward() -> None:
-    """Two start-up decisions of vLLM's batch-invariant mode, changed for a kittens server where
+# CUDA-graph sizes a kittens --deterministic server captures beyond vLLM's default ceiling (512
+# tokens on Hopper): vLLM's grid up to 512, then steps of 11-13.3% (the most padding a step pays) to
+# 2048. A step past the largest captured size runs eagerly, and there every kittens kernel pays a
+# Python Triton launch: an eager 600-token FP8 Qwen3-30B-A3B step took ~110 ms of host time for
+# ~26 ms of GPU work (H100, loadtest/results/deterministic/step_profile_prefill600_*). Around
+# 2048 tokens the step's GPU time catches up with the host's launches.
+EXTRA_GRAPH_SIZES = (*range(8, 256, 8), *range(256, 513, 16), 576, 640, 720, 816, 912, 1024, 1152, 1280, 1440,
+                     1616, 1824, 2048)
+
+
+def adapt_vllm_start_up() -> None:
+    """Three start-up decisions of vLLM's batch-invariant mode, changed for a kittens server where
     kittens' kernels run the dense layers (``kittens_runs_the_dense_layers``):
 
     - vLLM turns on breakable CUDA graphs, and with them turns torch.compile off, for bf16 models
@@ -157,12 +167,17 @@ def keep_compiled_forward() -> None:
       sum order follows the launch config it autotunes at start-up (so it may differ between two
       servers). The server enables vLLM's ``rms_norm`` custom op instead, whose CUDA path runs
       kittens' ``invariant_rms_norm`` (``install``), as in an eager server; ``-rms_norm`` in
-      ``--compilation-config``'s ``custom_ops`` still decides."""
+      ``--compilation-config``'s ``custom_ops`` still decides.
+    - vLLM captures CUDA graphs up to 512 tokens, so a step with a prefill in it often runs eagerly,
+      host-bound with kittens' Triton launches. The server also captures ``EXTRA_GRAPH_SIZES``
+      (those above vLLM's ceiling, up to ``--max-num-batched-tokens``). Setting
+      ``cudagraph_capture_sizes`` or ``max_cudagraph_capture_size`` still decides."""
     from vllm.config import VllmConfig
     from vllm.config.kernel import KernelConfig
 
     stock_breakable = VllmConfig._uses_breakable_cudagraph_for_batch_invariance
     stock_defaults = KernelConfig.set_platform_defaults
+    stock_graph_sizes = VllmConfig._set_cudagraph_sizes
 
     def uses_breakable_cudagraph_for_batch_invariance(self) -> bool:
         return not kittens_runs_the_dense_layers(self) and stock_breakable(self)
@@ -173,10 +188,27 @@ def keep_compiled_forward() -> None:
         if kittens_runs_the_dense_layers(vllm_config) and not {"+rms_norm", "-rms_norm"} & set(ops):
             ops.append("+rms_norm")
 
+    def set_cudagraph_sizes(self) -> None:
+        compilation = self.compilation_config
+        chosen = compilation.cudagraph_capture_sizes is not None or compilation.max_cudagraph_capture_size is not None
+        stock_graph_sizes(self)
+        sizes = compilation.cudagraph_capture_sizes
+        if chosen or not sizes or not kittens_runs_the_dense_layers(self):
+            return  # the user's sizes, or no graphs at all
+        limit = self.scheduler_config.max_num_batched_tokens
+        extra = [n for n in EXTRA_GRAPH_SIZES if sizes[-1] < n <= limit]
+        if extra:
+            compilation.cudagraph_capture_sizes = sizes + extra
+            compilation.max_cudagraph_capture_size = extra[-1]
+            logger.info_once("kittens: deterministic serving captures CUDA graphs up to %d tokens (%d sizes; vLLM's "
+                             "default stops at %d)", extra[-1], len(sizes) + len(extra), sizes[-1])
+
     uses_breakable_cudagraph_for_batch_invariance.vllm_method = stock_breakable
     set_platform_defaults.vllm_method = stock_defaults
+    set_cudagraph_sizes.vllm_method = stock_graph_sizes
     VllmConfig._uses_breakable_cudagraph_for_batch_invariance = uses_breakable_cudagraph_for_batch_invariance
     KernelConfig.set_platform_defaults = set_platform_defaults
+    VllmConfig._set_cudagraph_sizes = set_cudagraph_sizes
 
 
 def wanted() -> bool:

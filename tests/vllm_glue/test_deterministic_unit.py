@@ -105,7 +105,8 @@ def test_a_kittens_moe_server_on_hopper_keeps_its_forward_compiled_and_its_norms
     assert hasattr(KernelConfig.set_platform_defaults, "vllm_method")
     monkeypatch.setattr(VllmConfig, "_uses_breakable_cudagraph_for_batch_invariance", lambda self: True)  # vLLM: on
     monkeypatch.setattr(KernelConfig, "set_platform_defaults", lambda self, vllm_config: None)
-    deterministic.keep_compiled_forward()
+    monkeypatch.setattr(VllmConfig, "_set_cudagraph_sizes", VllmConfig._set_cudagraph_sizes)  # restored after
+    deterministic.adapt_vllm_start_up()
     uses_breakable = VllmConfig._uses_breakable_cudagraph_for_batch_invariance
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
     for platform, config, kittens_dense in [
@@ -130,6 +131,60 @@ def test_a_kittens_moe_server_on_hopper_keeps_its_forward_compiled_and_its_norms
     plain = _config("kittens")
     KernelConfig.set_platform_defaults(None, plain)
     assert plain.compilation_config.custom_ops == ["none"]  # outside invariant mode nothing changes
+
+
+def _graph_config(backend: str, sizes=None, max_size=None, max_tokens=8192):
+    config = _config(backend)
+    config.compilation_config.cudagraph_capture_sizes = sizes
+    config.compilation_config.max_cudagraph_capture_size = max_size
+    config.scheduler_config = types.SimpleNamespace(max_num_batched_tokens=max_tokens)
+    return config
+
+
+def test_a_kittens_deterministic_server_captures_prefill_sized_graphs(monkeypatch):
+    """Past vLLM's 512-token ceiling a step runs eagerly, host-bound with kittens' Triton launches:
+    a kittens server in invariant mode also captures the sizes of EXTRA_GRAPH_SIZES above vLLM's
+    ceiling, up to the batched-token budget; sizes the user chose, stock servers, servers outside
+    invariant mode and servers without graphs keep vLLM's."""
+    from vllm.config import VllmConfig
+
+    from mok_serve import plugin
+
+    plugin.register()
+    assert hasattr(VllmConfig._set_cudagraph_sizes, "vllm_method")
+    default = [1, 2, 4, *range(8, 256, 8), *range(256, 513, 16)]
+
+    def vllm_sizes(self):  # vLLM's default grid (or the user's list), as its _set_cudagraph_sizes leaves it
+        compilation = self.compilation_config
+        if compilation.cudagraph_capture_sizes is None:
+            top = compilation.max_cudagraph_capture_size or 512
+            compilation.cudagraph_capture_sizes = [n for n in default if n <= top]
+        compilation.max_cudagraph_capture_size = (compilation.cudagraph_capture_sizes or [0])[-1]
+
+    monkeypatch.setattr(VllmConfig, "_set_cudagraph_sizes", vllm_sizes)
+    deterministic.adapt_vllm_start_up()
+    set_sizes = VllmConfig._set_cudagraph_sizes
+    monkeypatch.setattr(deterministic, "current_platform", _Platform(True, 9))
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+
+    def sizes_of(config):
+        set_sizes(config)
+        compilation = config.compilation_config
+        assert compilation.cudagraph_capture_sizes[-1:] == [compilation.max_cudagraph_capture_size] or \
+            compilation.cudagraph_capture_sizes == []
+        return compilation.cudagraph_capture_sizes
+
+    extended = sizes_of(_graph_config("kittens"))
+    assert extended[:len(default)] == default and extended == sorted(set(extended))
+    assert extended[len(default):] == [576, 640, 720, 816, 912, 1024, 1152, 1280, 1440, 1616, 1824, 2048]
+    assert all(b <= a * 1.134 for a, b in zip(extended[len(default) - 1:], extended[len(default):]))  # padding
+    assert sizes_of(_graph_config("kittens", max_tokens=1000))[-1] == 912  # within the batched-token budget
+    assert sizes_of(_graph_config("kittens", max_size=256))[-1] == 256  # the user's ceiling
+    assert sizes_of(_graph_config("kittens", sizes=[1, 8]))[-1] == 8  # the user's sizes
+    assert sizes_of(_graph_config("kittens", sizes=[])) == []  # no graphs
+    assert sizes_of(_graph_config("triton")) == default  # a stock server stays stock
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT")
+    assert sizes_of(_graph_config("kittens")) == default  # outside invariant mode nothing changes
 
 
 def test_deterministic_flag_is_refused_without_a_gpu():
