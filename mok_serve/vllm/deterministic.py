@@ -146,7 +146,7 @@ def kittens_runs_the_dense_layers(config) -> bool:
 # CUDA-graph sizes a kittens --deterministic server captures beyond vLLM's default ceiling (512
 # tokens on Hopper): vLLM's grid up to 512, then steps of 11-13.3% (the most padding a step pays) to
 # 2048. A step past the largest captured size runs eagerly, and there every kittens kernel pays a
-# Python Triton launch: an eager 600-token FP8 Qwen3-30B-A3B step took ~110 ms of host time for
+# Python Triton launch: an eager 600-token FP8 Qwen3-30B-A3B step took ~110 ms of wall time for
 # ~26 ms of GPU work (H100, loadtest/results/deterministic/step_profile_prefill600_*). Around
 # 2048 tokens the step's GPU time catches up with the host's launches.
 EXTRA_GRAPH_SIZES = (*range(8, 256, 8), *range(256, 513, 16), 576, 640, 720, 816, 912, 1024, 1152, 1280, 1440,

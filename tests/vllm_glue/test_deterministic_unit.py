@@ -157,7 +157,7 @@ def test_a_kittens_deterministic_server_captures_prefill_sized_graphs(monkeypatc
     def vllm_sizes(self):  # vLLM's default grid (or the user's list), as its _set_cudagraph_sizes leaves it
         compilation = self.compilation_config
         if compilation.cudagraph_capture_sizes is None:
-            top = compilation.max_cudagraph_capture_size or 512
+            top = compilation.max_cudagraph_capture_size or getattr(self, "vllm_ceiling", 512)  # (max_num_seqs * 2)
             compilation.cudagraph_capture_sizes = [n for n in default if n <= top]
         compilation.max_cudagraph_capture_size = (compilation.cudagraph_capture_sizes or [0])[-1]
 
@@ -179,6 +179,9 @@ def test_a_kittens_deterministic_server_captures_prefill_sized_graphs(monkeypatc
     assert extended[len(default):] == [576, 640, 720, 816, 912, 1024, 1152, 1280, 1440, 1616, 1824, 2048]
     assert all(b <= a * 1.134 for a, b in zip(extended[len(default) - 1:], extended[len(default):]))  # padding
     assert sizes_of(_graph_config("kittens", max_tokens=1000))[-1] == 912  # within the batched-token budget
+    few_seqs = _graph_config("kittens")
+    few_seqs.vllm_ceiling = 128  # vLLM's ceiling at --max-num-seqs 64: its grid continues to 512, then the steps
+    assert sizes_of(few_seqs) == extended
     assert sizes_of(_graph_config("kittens", max_size=256))[-1] == 256  # the user's ceiling
     assert sizes_of(_graph_config("kittens", sizes=[1, 8]))[-1] == 8  # the user's sizes
     assert sizes_of(_graph_config("kittens", sizes=[])) == []  # no graphs
