@@ -422,6 +422,15 @@ def sweep_variants_fp8(tokens, top_k, E, H, I):
         # far apart in time (DeepSeek-V3's 29 MB of w13 per expert do not stay in L2). Grouped order
         # runs 4 or 8 of its row tiles side by side on each weight tile.
         out += [(f"group{g}", v(d1, GROUP_M=g), v(d2, GROUP_M=g)) for g in (4, 8)]
+        # Hot experts' 128-row tiles beside the 64-row ones (this regime has none by default: a hot
+        # expert's weights are read once per 64 rows). At GEMM1's 128 columns and GEMM2's 128 at 4 warps
+        # a 128-row tile spills (255 registers); GEMM1 in 64-column programs (two a group) and GEMM2 at
+        # 64 columns, or at 128 on 8 warps, compile for sm_90a without spills (234-238 registers).
+        heavy = dict(HEAVY_M=128, HEAVY_STAGES=3)
+        out += [("heavy128 n64", v(d1, BLOCK_N=64, **heavy), v(d2, BLOCK_N=64, **heavy)),
+                ("heavy128 n64 s2", v(d1, BLOCK_N=64, HEAVY_M=128, HEAVY_STAGES=2),
+                 v(d2, BLOCK_N=64, HEAVY_M=128, HEAVY_STAGES=2)),
+                ("heavy128 g2 w8", v(d1, BLOCK_N=64, **heavy), v(d2, BLOCK_N=128, num_warps=8, **heavy))]
     if avg > 48:
         # vLLM's block-FP8 tile at these sizes (64 x 128, 4 warps, 3 stages, GROUP_SIZE_M 32) ran
         # 5-9% faster than kittens at 2048-8192 tokens (a8ceab5), where kittens' GEMM2 takes 128-row

@@ -3,7 +3,8 @@
 Compiled as a launch would specialize them (16-byte aligned pointers, ints divisible by 16 marked,
 unit strides constant) with the block sizes ``pick_configs_fp8`` chooses for DeepSeek-V3 in each
 regime (swapped 16-row tiles with 64-row hot-expert ones at 1 and 512 tokens, 64-row tiles at 1024,
-128-row ones at 4096; and the sweep's 64-row and half-tail GEMM2 tiles there; at 1 token GEMM1 at
+128-row ones at 4096; and the sweep's 64-row and half-tail GEMM2 tiles there, its 128-row hot-expert
+tiles at 1024; at 1 token GEMM1 at
 other widths and both GEMMs as one launch), then
 ``ptxas -v`` reports registers and spills. Runs in a subprocess because the tests' conftest puts
 Triton into interpreter mode on CPU-only machines. The GPU machine's Triton (3.6) may compile
@@ -20,14 +21,16 @@ from mok_serve.kernels.cuda import moe_fp8 as tf
 
 H, I, E, K = 7168, 2048, 256, 8
 HEAVY = dict(HEAVY_M=64, HEAVY_STAGES=4)
+HEAVY128 = dict(HEAVY_M=128, HEAVY_STAGES=3)  # the sweep's 128-row hot-expert tiles in the 64-row regime
 for tokens in (1, 512, 1024, 4096):
     g1, g2 = tf.pick_configs_fp8(tokens, K, E, H, I)
     # As picked (at 1 token 64-column programs, two per activation group), there also with 128 and 32,
     # and with the sweep's hot-expert tiles (64 rows, 4 stages, beside the 16-row ones).
     bn = g1.get("BLOCK_N", 128)
     picked = {k: g1[k] for k in ("HEAVY_M", "HEAVY_STAGES") if k in g1}
-    for suffix, bn, heavy in (("", bn, picked),) + (
-            (("_n128", 128, {}), ("_n32", 32, {}), ("_heavy64", bn, HEAVY)) if tokens == 1 else ()):
+    more1 = {1: (("_n128", 128, {}), ("_n32", 32, {}), ("_heavy64", bn, HEAVY)),
+             1024: (("_heavy128_n64", 64, HEAVY128),)}
+    for suffix, bn, heavy in (("", bn, picked),) + more1.get(tokens, ()):
         build(f"gemm1{suffix}_T{tokens}", tf._fp8_gemm1_kernel,
               dict(xq_ptr=ptr("fp8e4nv"), xs_ptr=ptr("fp32"), w_ptr=ptr("fp8e4nv"), ws_ptr=ptr("fp32"),
                    actq_ptr=ptr("fp8e4nv"), acts_ptr=ptr("fp32"), acth_ptr=ptr("bf16"), ticket_ptr=ptr("i32"),
@@ -39,9 +42,10 @@ for tokens in (1, 512, 1024, 4096):
                    PDL=True, **{"HEAVY_M": 0, "HEAVY_STAGES": None, **heavy}),
               g1["num_warps"], g1["num_stages"])
     # As picked; at 4096 tokens also the sweep's 64-row, 4-warp GEMM2 tile (vLLM's block-FP8 tile)
-    # and half-height last tiles.
+    # and half-height last tiles; at 1024 the sweep's 128-row hot-expert tiles (64 columns, or 128 on 8 warps).
     more = {4096: (("_m64", dict(g2, BLOCK_M=64, num_warps=4, num_stages=4)), ("_half", dict(g2, HALF_TAIL=True))),
-            1: (("_heavy64", dict(g2, **HEAVY)),)}
+            1: (("_heavy64", dict(g2, **HEAVY)),),
+            1024: (("_heavy128_n64", dict(g2, BLOCK_N=64, **HEAVY128)), ("_heavy128_w8", dict(g2, num_warps=8, **HEAVY128)))}
     for suffix, c2 in (("", g2),) + more.get(tokens, ()):
         build(f"gemm2{suffix}_T{tokens}", tf._fp8_gemm2_kernel,
               dict(actq_ptr=ptr("fp8e4nv"), acts_ptr=ptr("fp32"), w_ptr=ptr("fp8e4nv"), ws_ptr=ptr("fp32"),

@@ -147,6 +147,24 @@ def test_hot_expert_heavy_tiles_give_the_same_bits():
         )
 
 
+def test_hot_expert_128_row_tiles_in_the_64_row_regime_give_the_same_bits():
+    """The sweep's 128-row hot-expert tiles beside the 64-row regime's tiles (GEMM1 in 64-column
+    programs; GEMM2 at 64 columns, or at 128 on 8 warps): the same bits as one tile height."""
+    for family in ("DeepSeek-V3", "Qwen3-30B-A3B"):
+        fp8 = weights_for(family)
+        E, H, I = fp8[0].shape[0], fp8[0].shape[2], fp8[1].shape[2]
+        counts = tuple(t for t in (1024, 2 * E + 8) if 16 < t * 8 / E <= 48)
+        assert counts, family
+        for t in counts:
+            g1, g2 = pick_configs_fp8(t, 8, E, H, I)
+            assert g1["BLOCK_M"] == 64 and "HEAVY_M" not in g1, (family, t)
+        check_heavy_tiles_give_the_same_bits(
+            fused_moe_fp8_triton, fp8, counts, lambda t: pick_configs_fp8(t, 8, E, H, I),
+            [dict(HEAVY_M=128, HEAVY_STAGES=3, BLOCK_N=64), dict(HEAVY_M=128, HEAVY_STAGES=2, BLOCK_N=64),
+             dict(HEAVY_M=128, HEAVY_STAGES=3, num_warps=8)],
+        )
+
+
 def test_one_launch_decode_gives_the_two_launches_bits():
     # GEMM2 items wait inside the launch for their row tile's GEMM1 items (split and whole column
     # tiles), under CUDA-graph replay too: the same bits as two launches.

@@ -174,6 +174,9 @@ def test_gemm2_half_tail_gives_the_same_bits():
         (dict(BLOCK_M=16, SWAP_AB=True, GROUP_M=4), dict(BLOCK_M=16, BLOCK_N=64, SWAP_AB=True, GROUP_M=4), 32),
         # unswapped 64-row tiles, 128-row heavy ones; GEMM2 half tails beside them
         (dict(BLOCK_M=64), dict(BLOCK_M=64, BLOCK_N=64, HALF_TAIL=True), 128),
+        # unswapped 64-row tiles, 128-row heavy ones, GEMM1 in 64-column programs (the sweep's
+        # "heavy128 n64": the width at which a 128-row FP8 GEMM1 tile does not spill)
+        (dict(BLOCK_M=64, BLOCK_N=64), dict(BLOCK_M=64, BLOCK_N=64), 128),
     ],
 )
 def test_hot_experts_heavy_tiles_give_the_same_bits(g1, g2, heavy):

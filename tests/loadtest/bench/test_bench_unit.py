@@ -96,7 +96,7 @@ def test_fp8_sweep_offers_hot_expert_variants():
     # Without them, and the one-launch kernel (tiles of one height) never with them.
     for label in ("no heavy", "one launch", "one launch n32"):
         assert not any(k in g for g in decode[label] for k in ("HEAVY_M", "HEAVY_STAGES")), label
-    assert not any(label.startswith("heavy") for label, _, _ in sweep_variants_fp8(1024, 8, 256, 7168, 2048))
+    assert not any(label.startswith("heavy64") for label, _, _ in sweep_variants_fp8(1024, 8, 256, 7168, 2048))
     streaming = {label: (g1, g2) for label, g1, g2 in sweep_variants_fp8(1024, 8, 256, 7168, 2048)}  # 32 rows
     assert [streaming[f"group{g}"][i]["GROUP_M"] for g in (4, 8) for i in (0, 1)] == [4, 4, 8, 8]
 
@@ -418,3 +418,23 @@ def test_h200_check_sweep_names_variants_that_exist_at_its_points():
         offered |= {label for label, _, _ in sweep_variants_fp8(
             int(tokens), s["top_k"], s["routed_experts"], s["hidden"], s["moe_intermediate"])}
     assert len(labels) >= 8 and set(labels) <= offered, set(labels) - offered
+
+
+def test_fp8_sweep_offers_128_row_hot_expert_tiles_in_the_64_row_regime():
+    from mok_serve.kernels.cuda.launch import check_heavy_m
+    from mok_serve.loadtest.bench.layer import sweep_variants_fp8
+
+    streaming = {label: (g1, g2) for label, g1, g2 in sweep_variants_fp8(1024, 8, 256, 7168, 2048)}  # 32 rows per expert
+    assert "HEAVY_M" not in streaming["default"][0]
+    heavy = [label for label in streaming if label.startswith("heavy128")]
+    assert heavy == ["heavy128 n64", "heavy128 n64 s2", "heavy128 g2 w8"]
+    for label in heavy:
+        g1, g2 = streaming[label]
+        assert g1["BLOCK_N"] == 64 and g1["BLOCK_M"] == 64 and g2["BLOCK_M"] == 64, label
+        for g in (g1, g2):
+            assert g["HEAVY_M"] == 128 and g["HEAVY_STAGES"] == (2 if label.endswith("s2") else 3), label
+            check_heavy_m(g)
+    assert (streaming["heavy128 g2 w8"][1]["BLOCK_N"], streaming["heavy128 g2 w8"][1]["num_warps"]) == (128, 8)
+    assert streaming["heavy128 n64"][1]["BLOCK_N"] == 64
+    # Not offered outside that regime (the swapped one has its own 64-row heavy tiles).
+    assert not any(label.startswith("heavy128") for label, _, _ in sweep_variants_fp8(256, 8, 256, 7168, 2048))
