@@ -425,7 +425,9 @@ def sweep_variants_fp8(tokens, top_k, E, H, I):
         # Hot experts' 128-row tiles beside the 64-row ones (this regime has none by default: a hot
         # expert's weights are read once per 64 rows). At GEMM1's 128 columns and GEMM2's 128 at 4 warps
         # a 128-row tile spills (255 registers); GEMM1 in 64-column programs (two a group) and GEMM2 at
-        # 64 columns, or at 128 on 8 warps, compile for sm_90a without spills (234-238 registers).
+        # 64 columns, or at 128 on 8 warps, compile for sm_90a without spills (234-238 registers). Same
+        # bits, but 1.6-1.8x slower than the default at DeepSeek-V3 520-1024 tokens, hot or uniform (H100,
+        # a6f81c8: loadtest/results/hot_sweeps_a6f81c8_h100/).
         heavy = dict(HEAVY_M=128, HEAVY_STAGES=3)
         out += [("heavy128 n64", v(d1, BLOCK_N=64, **heavy), v(d2, BLOCK_N=64, **heavy)),
                 ("heavy128 n64 s2", v(d1, BLOCK_N=64, HEAVY_M=128, HEAVY_STAGES=2),
