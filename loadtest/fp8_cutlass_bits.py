@@ -39,13 +39,13 @@ def main() -> None:
 
     from mok_serve.kernels import invariant_linear_fp8
     from mok_serve.kernels.fp8 import quantize_fp8_blocks, quantize_fp8_groups
+    from mok_serve.vllm.deterministic import vllm_cutlass_linear_fp8
 
     def cutlass_q(xq, xs, w, ws, dtype):
         return ops.cutlass_scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws.t(), out_dtype=dtype)
 
-    def cutlass(x, w, ws):
-        xq, xs = per_token_group_quant_fp8(x, 128, column_major_scales=True)
-        return cutlass_q(xq, xs, w, ws, x.dtype)
+    def cutlass(x, w, ws):  # as a --deterministic server calls it (MOK_DETERMINISTIC_FP8_GEMM=cutlass)
+        return vllm_cutlass_linear_fp8(x, w, ws, None)
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows_out = []

@@ -7,6 +7,7 @@
 #   bash loadtest/h200_check.sh sweep-fp8 OUT [ARGS...]  # the FP8 kernels' unmeasured variants against the default
 #   bash loadtest/h200_check.sh linear-tests OUT         # pytest -m gpu: the batch-invariant GEMM, attention, RMSNorm, warm-up
 #   bash loadtest/h200_check.sh deterministic-serving OUT  # pytest -m gpu: the --deterministic servers' probe (vLLM)
+#   bash loadtest/h200_check.sh fp8-cutlass OUT          # MOK_DETERMINISTIC_FP8_GEMM=cutlass: vLLM's CUTLASS GEMM's bits
 #   bash loadtest/h200_check.sh linear OUT [ARGS...]     # mok-loadtest linear: it against cuBLAS and vLLM's invariant GEMM
 #   bash loadtest/h200_check.sh linear-fp8 OUT [ARGS...] # mok-loadtest linear --fp8: block FP8 against vLLM's GEMMs
 #   bash loadtest/h200_check.sh sweep-linear OUT [ARGS...]  # its tile variants at prefill-sized points
@@ -66,6 +67,10 @@ case $what in
       python3 -m pytest -m gpu -q tests/server/test_deterministic_serving_gpu.py
     cp "$out/deterministic_serving/summary.md" "$out/deterministic_serving_summary_$commit.md"
     tar czf "$out/deterministic_serving_$commit.tgz" -C "$out" deterministic_serving && rm -rf "$out/deterministic_serving" ;;
+  fp8-cutlass)  # vLLM's CUTLASS block-FP8 GEMM as --deterministic may call it: its GPU tests, then its bits beside kittens'
+    step "fp8_cutlass_gpu_tests_$commit.log" 300 python3 -m pytest -m gpu -q tests/vllm_glue/test_deterministic_cutlass_gpu.py
+    step "fp8_cutlass_bits_$commit.log" 300 python3 -m mok_serve.loadtest.fp8_cutlass_bits \
+      --out "$out/fp8_cutlass_bits_$commit.json" ;;
   linear)
     step "h200_check_linear_$commit.log" 570 mok-loadtest linear --out "$out" --no-history "$@" ;;
   linear-fp8)  # block-FP8 dense layers: kittens against vLLM's CUTLASS and Triton GEMMs, each one's row-alone bits
@@ -81,5 +86,5 @@ case $what in
     mok-serve build-model --shape "$1" --out "$model" >/dev/null
     step "step_profile_$commit.log" 400 mok-loadtest step-profile "$model" --moe-backend "$2" "${@:3}" \
       --attention-backend TRITON_ATTN --out "$out" ;;
-  *) echo "usage: $0 tests|layer|layer-fp8|sweep|sweep-fp8|linear-tests|deterministic-serving|linear|linear-fp8|sweep-linear|attention|step-profile OUT [ARGS...]" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|layer|layer-fp8|sweep|sweep-fp8|linear-tests|deterministic-serving|fp8-cutlass|linear|linear-fp8|sweep-linear|attention|step-profile OUT [ARGS...]" >&2; exit 2 ;;
 esac

@@ -10,7 +10,8 @@ invariant:
   own GEMM, which runs one fixed 128x128 tile for every row count, so a decode step's skinny
   matmuls use a fraction of each tile and, for narrow weights, a fraction of the SMs; and the
   block-FP8 dense layers (``invariant_linear_fp8``), which vLLM's invariant mode leaves to its usual
-  block-FP8 GEMM (on Hopper a CUTLASS kernel whose batch invariance vLLM does not state);
+  block-FP8 GEMM (on Hopper a CUTLASS kernel whose batch invariance vLLM does not state; with
+  ``MOK_DETERMINISTIC_FP8_GEMM=cutlass`` the layers where its source makes it invariant keep it);
 - the RMSNorms (``mok_serve.kernels.invariant_rms_norm``, the residual add fused) where vLLM's
   invariant mode calls its own: its residual path runs vLLM's CUDA ``fused_add_rms_norm``, whose
   thread block (so its sum order) changes at 256 rows for hidden sizes above 2048 as its public
@@ -28,6 +29,8 @@ layer is built (in each worker, before any forward pass or compilation), so stoc
 registration, before any config is built) keeps such a server's forward compiled, its RMSNorms
 kittens', and captures CUDA graphs of prefill-sized steps.
 """
+
+import os
 
 import vllm.envs as envs
 from vllm.logger import init_logger
@@ -108,9 +111,59 @@ def kittens_unified_attention(vllm_kernel, max_model_len: int):
     return unified_attention
 
 
+# Which GEMM a --deterministic server's block-FP8 dense layers run: ``kittens`` (the default,
+# ``invariant_linear_fp8`` on every such layer) or ``cutlass``: vLLM's CUTLASS blockwise GEMM on the
+# layers where it is batch invariant by construction (``cutlass_is_invariant``), kittens' on the rest.
+# At 2048-8192 rows CUTLASS took 0.42-0.46x kittens' time (H100, a6f81c8,
+# loadtest/results/deterministic/linear_sweep_fp8_a6f81c8_h100.md); at 1-64 rows the two are within
+# 0.72-1.70x of each other (linear_bench_fp8_15e3cd9.md). Not the default until a GPU run checks its
+# bits (loadtest/fp8_cutlass_bits.py) and its serving grid.
+FP8_GEMM_VARIABLE = "MOK_DETERMINISTIC_FP8_GEMM"
+FP8_GEMMS = ("kittens", "cutlass")
+
+
+def fp8_gemm() -> str:
+    """The block-FP8 dense GEMM chosen by ``MOK_DETERMINISTIC_FP8_GEMM`` (``kittens`` when unset)."""
+    value = os.environ.get(FP8_GEMM_VARIABLE, "") or "kittens"
+    if value not in FP8_GEMMS:
+        raise ValueError(f"{FP8_GEMM_VARIABLE}={value!r}: expected one of {', '.join(FP8_GEMMS)}")
+    return value
+
+
+def cutlass_is_invariant(n: int, k: int, capability) -> bool:
+    """Whether vLLM's block-FP8 CUTLASS GEMM gives a row of a ``[n, k]`` layer the same bits whatever
+    the batch. On Hopper (sm90) vLLM's dispatch (``scaled_mm_blockwise_sm90_fp8_dispatch.cuh``) runs
+    one 128 x 128 x 128 tile shape for every row count, each output tile summed over the whole K in
+    order by one persistent program, where K <= 3N; where K > 3N it runs stream-K, whose partial sums
+    over K ranges (set by the tile count, so by the batch) are reduced in arrival order. Its 128-column
+    weight blocks need N and K in whole blocks. Other architectures dispatch other kernels: not
+    covered."""
+    return (capability is not None and (capability.major, capability.minor) == (9, 0)
+            and n % 128 == 0 and k % 128 == 0 and k <= 3 * n)
+
+
+def vllm_cutlass_linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                            bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ dequantized(weight).T (+ bias)`` through vLLM's per-token activation quantization
+    (1 x 128 groups, row-local) and its CUTLASS blockwise GEMM, as vLLM's own CUTLASS path calls them."""
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.quantization.utils.fp8_utils import per_token_group_quant_fp8
+
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    xq, xs = per_token_group_quant_fp8(rows, 128, column_major_scales=True)
+    out = ops.cutlass_scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale.t(), out_dtype=x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
 def kittens_fp8_linear_apply(vllm_apply):
     """A stand-in for vLLM's ``Fp8LinearMethod.apply`` that runs block-FP8 (128x128) layers through
-    ``invariant_linear_fp8``, and every other FP8 layer through ``vllm_apply``."""
+    ``invariant_linear_fp8`` (or, with ``MOK_DETERMINISTIC_FP8_GEMM=cutlass``, vLLM's CUTLASS GEMM
+    on the layers where it is invariant: a choice per layer, from its shape, the same for every
+    call), and every other FP8 layer through ``vllm_apply``."""
+    use_cutlass = fp8_gemm() == "cutlass"
+    capability = current_platform.get_device_capability() if use_cutlass else None
 
     def apply(self, layer, x, bias=None):
         if not (self.block_quant and list(self.weight_block_size) == [128, 128]):
@@ -122,6 +175,8 @@ def kittens_fp8_linear_apply(vllm_apply):
                 f"kittens --deterministic: a block-FP8 layer holds {layer.weight.dtype} weights with "
                 f"{None if scale is None else scale.dtype} scales; it runs e4m3 weights with fp32 "
                 "weight_scale_inv (DeepSeek-V3's checkpoint format)")
+        if use_cutlass and cutlass_is_invariant(*layer.weight.shape, capability):
+            return vllm_cutlass_linear_fp8(x, layer.weight, scale, bias)
         return invariant_linear_fp8(x, layer.weight, scale, bias)
 
     apply.vllm_apply = vllm_apply
@@ -249,6 +304,8 @@ def install() -> bool:
     warm_up_invariant_kernels(max_tokens or 0, report=log_warm_up)
     _installed = True
     logger.info_once(INSTALLED)
+    logger.info_once("kittens: block-FP8 dense layers run %s", "vLLM's CUTLASS GEMM where it is batch invariant "
+                     "(K <= 3N on Hopper), kittens' elsewhere" if fp8_gemm() == "cutlass" else "kittens' GEMM")
     return True
 
 

@@ -4,7 +4,8 @@ scales: dummy weights leave every server, invariant or not, with one completion 
 
 Per family (bf16, and block FP8 in every linear layer but the routers: experts and dense layers
 alike, as the real checkpoints ship), 100 probes each, all servers probed at once: kittens
-`--deterministic` with prefix caching off and on, and with `--enforce-eager`, must give one
+`--deterministic` with prefix caching off and on, with `--enforce-eager`, and (FP8) with
+`MOK_DETERMINISTIC_FP8_GEMM=cutlass`, must give one
 completion (token ids and logprobs) for a greedy probe sent alone and beside 0-48 concurrent
 companions (decoding, prefilling with it, arriving during its decode; long prompts make eager
 steps above the largest captured graph); stock vLLM's default server on the same weights must
@@ -35,15 +36,21 @@ pytestmark = pytest.mark.gpu
 FAMILIES = ("qwen3_moe", "qwen3_moe_fp8_dense")
 COMMON = ["--attention-backend", "TRITON_ATTN", "--load-format", "kittens-random", "--max-model-len", "4096",
           "--gpu-memory-utilization", "0.05", "--kv-cache-memory-bytes", str(1 << 30)]
-SERVERS = {  # name: (mok-serve options, VLLM_BATCH_INVARIANT for the server)
-    "deterministic": (["--deterministic", "--no-enable-prefix-caching", "--jit-monitor-verbose"], None),
-    "deterministic-prefix-cache": (["--deterministic", "--enable-prefix-caching", "--jit-monitor-verbose"], None),
+SERVERS = {  # name: (mok-serve options, environment variables of the server)
+    "deterministic": (["--deterministic", "--no-enable-prefix-caching", "--jit-monitor-verbose"], {}),
+    "deterministic-prefix-cache": (["--deterministic", "--enable-prefix-caching", "--jit-monitor-verbose"], {}),
     "deterministic-eager": (["--deterministic", "--no-enable-prefix-caching", "--enforce-eager",
-                             "--jit-monitor-verbose"], None),
-    "stock-default": (["--moe-backend", "auto", "--no-enable-prefix-caching"], "0"),
-    "stock-batch-invariant": (["--moe-backend", "auto", "--deterministic", "--no-enable-prefix-caching"], None),
-    "kittens-default": (["--no-enable-prefix-caching"], "0"),
+                             "--jit-monitor-verbose"], {}),
+    # The FP8 family only: its dense layers through vLLM's CUTLASS GEMM where that is invariant.
+    "deterministic-cutlass": (["--deterministic", "--no-enable-prefix-caching", "--jit-monitor-verbose"],
+                              {"MOK_DETERMINISTIC_FP8_GEMM": "cutlass"}),
+    "stock-default": (["--moe-backend", "auto", "--no-enable-prefix-caching"], {"VLLM_BATCH_INVARIANT": "0"}),
+    "stock-batch-invariant": (["--moe-backend", "auto", "--deterministic", "--no-enable-prefix-caching"], {}),
+    "kittens-default": (["--no-enable-prefix-caching"], {"VLLM_BATCH_INVARIANT": "0"}),
 }
+FP8_ONLY = ("deterministic-cutlass",)
+SERVED = [(f, n) for f in FAMILIES for n in SERVERS if "fp8" in f or n not in FP8_ONLY]
+DETERMINISTIC = [(f, n) for f, n in SERVED if n.startswith("deterministic")]
 PROBES = 100
 PROBE = ["--probes", str(PROBES), "--max-batch", "48", "--max-tokens", "64", "--companion-input-len", "300",
          "--companion-output-len", "48", "--spread", "0.05", "--request-timeout", "180", "--max-duration", "300",
@@ -61,13 +68,13 @@ def servers():
     started: dict = {}
     summaries: dict = {}
     models = {f: str(tiny_models.build_tiny_model(f)) for f in FAMILIES}  # one at a time
-    keys = [(f, n) for f in FAMILIES for n in SERVERS]
+    keys = SERVED
 
     def start(key):
         family, name = key
-        options, mode = SERVERS[name]
+        options, env = SERVERS[name]
         server = ServerProcess([models[family], *COMMON, *options], log_path=log_dir / f"{family}-{name}.log",
-                               startup_timeout=900, env={} if mode is None else {"VLLM_BATCH_INVARIANT": mode})
+                               startup_timeout=900, env=env)
         try:
             started[key] = server.start()
         except ServerError as e:
@@ -114,8 +121,7 @@ def probe(servers, family, name) -> dict:
     return s
 
 
-@pytest.mark.parametrize("name", [n for n in SERVERS if n.startswith("deterministic")])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family,name", DETERMINISTIC)
 def test_deterministic_server_gives_one_completion(servers, family, name):
     s = probe(servers, family, name)
     assert s["ok"] == s["planned"] == PROBES and s["companion_failures"] == 0
@@ -147,8 +153,12 @@ def test_kittens_kernels_are_in_place(servers, family):
     assert INSTALLED in log
 
 
-@pytest.mark.parametrize("name", [n for n in SERVERS if n.startswith("deterministic")])
-@pytest.mark.parametrize("family", FAMILIES)
+def test_the_cutlass_choice_is_in_place(servers):
+    log = servers[0][("qwen3_moe_fp8_dense", "deterministic-cutlass")].log()
+    assert "block-FP8 dense layers run vLLM's CUTLASS GEMM where it is batch invariant" in log
+
+
+@pytest.mark.parametrize("family,name", DETERMINISTIC)
 def test_no_invariant_kernel_compiles_while_serving(servers, family, name):
     """After the probe's traffic: vLLM's JIT monitor saw no compile of kittens' invariant kernels
     after its warm-up (CUDA-graph capture and the profile run compile every variant the shapes of a

@@ -290,3 +290,57 @@ def test_fp8_linear_stand_in_runs_block_fp8_layers_through_kittens():
     # Weights laid out for another kernel are refused, naming what was found.
     with pytest.raises(RuntimeError, match="e8m0|float8_e8m0fnu"):
         apply(block, SimpleNamespace(weight=wq, weight_scale_inv=ws.to(torch.float8_e8m0fnu)), x)
+
+
+def test_cutlass_counts_as_invariant_only_where_vllm_runs_its_persistent_tile_on_hopper():
+    from types import SimpleNamespace
+
+    hopper, blackwell = SimpleNamespace(major=9, minor=0), SimpleNamespace(major=10, minor=0)
+    # DeepSeek-V3's dense layers [N, K]: the fused q_a/kv_a projection has K > 3N (stream-K) and
+    # N = 2112, not whole 128-column blocks; the rest run the persistent tile.
+    persistent = [(24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048), (36864, 7168),
+                  (7168, 18432), (5120, 2048), (2048, 4096)]
+    assert all(deterministic.cutlass_is_invariant(n, k, hopper) for n, k in persistent)
+    assert not deterministic.cutlass_is_invariant(2112, 7168, hopper)
+    assert not deterministic.cutlass_is_invariant(1024, 3200, hopper)  # K > 3N, whole blocks
+    assert deterministic.cutlass_is_invariant(1024, 3072, hopper)  # K = 3N
+    assert not deterministic.cutlass_is_invariant(7168, 16384, blackwell)
+    assert not deterministic.cutlass_is_invariant(7168, 16384, None)
+
+
+def test_fp8_gemm_choice_sends_invariant_cutlass_layers_to_cutlass_and_the_rest_to_kittens(monkeypatch):
+    from types import SimpleNamespace
+
+    from mok_serve.kernels import invariant_linear_fp8_reference
+    from mok_serve.kernels.fp8 import quantize_fp8_blocks
+
+    cutlass_calls = []
+    monkeypatch.setattr(deterministic, "vllm_cutlass_linear_fp8",
+                        lambda x, w, ws, bias: cutlass_calls.append(tuple(w.shape)) or "cutlass")
+    monkeypatch.setattr(deterministic.current_platform, "get_device_capability",
+                        lambda *a, **k: SimpleNamespace(major=9, minor=0))
+    block = SimpleNamespace(block_quant=True, weight_block_size=[128, 128])
+    square = quantize_fp8_blocks(torch.randn(256, 384) / 20)  # K <= 3N: CUTLASS's persistent tile
+    tall_k = quantize_fp8_blocks(torch.randn(128, 512) / 20)  # K > 3N: stream-K
+    x_square, x_tall = torch.randn(3, 384).to(torch.bfloat16), torch.randn(3, 512).to(torch.bfloat16)
+
+    def vllm_apply(self, layer, x, bias=None):
+        raise AssertionError("a block-FP8 layer went to vLLM's apply")
+
+    monkeypatch.setenv(deterministic.FP8_GEMM_VARIABLE, "cutlass")
+    apply = deterministic.kittens_fp8_linear_apply(vllm_apply)
+    assert apply(block, SimpleNamespace(weight=square[0], weight_scale_inv=square[1]), x_square) == "cutlass"
+    out = apply(block, SimpleNamespace(weight=tall_k[0], weight_scale_inv=tall_k[1]), x_tall)
+    assert torch.equal(out, invariant_linear_fp8_reference(x_tall, *tall_k))
+    assert cutlass_calls == [(256, 384)]
+
+    for unset in ("", "kittens"):  # the default: kittens' GEMM on every block-FP8 layer
+        monkeypatch.setenv(deterministic.FP8_GEMM_VARIABLE, unset)
+        apply = deterministic.kittens_fp8_linear_apply(vllm_apply)
+        out = apply(block, SimpleNamespace(weight=square[0], weight_scale_inv=square[1]), x_square)
+        assert torch.equal(out, invariant_linear_fp8_reference(x_square, *square))
+    assert cutlass_calls == [(256, 384)]
+
+    monkeypatch.setenv(deterministic.FP8_GEMM_VARIABLE, "cublas")
+    with pytest.raises(ValueError, match="MOK_DETERMINISTIC_FP8_GEMM='cublas'.*kittens, cutlass"):
+        deterministic.kittens_fp8_linear_apply(vllm_apply)
