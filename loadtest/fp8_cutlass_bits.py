@@ -58,7 +58,7 @@ def main() -> None:
                 x = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
                 full = cutlass(x, w, ws)
                 again = cutlass(x, w, ws)
-                # Rows alone and inside batches of other sizes: the first 8 rows and the last one.
+                # Rows 0, 7 and the last alone, and the batch in two halves.
                 probe = sorted({0, min(7, rows - 1), rows - 1})
                 alone = all(torch.equal(cutlass(x[i:i + 1], w, ws), full[i:i + 1]) for i in probe)
                 half = (rows + 1) // 2
