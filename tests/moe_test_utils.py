@@ -18,6 +18,16 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
+def fp8_linear_float64_reference(x, wq, ws, b):
+    """A block-FP8 dense layer on the same quantized operands (``x`` quantized per token in 1 x 128
+    groups, ``wq`` / ``ws`` 128 x 128 blocks), products summed in float64."""
+    from mok_serve.kernels.fp8 import dequantize_fp8_groups, quantize_fp8_groups
+
+    xq = dequantize_fp8_groups(*quantize_fp8_groups(x.float())).double()
+    w = (wq.float() * ws.repeat_interleave(128, 0)[: wq.shape[0]].repeat_interleave(128, 1)[:, : wq.shape[1]]).double()
+    return xq @ w.t() + (b.double() if b is not None else 0)
+
+
 def make_inputs(tokens, hidden, inter, experts, top_k, dtype=torch.bfloat16, seed=None, num_global=None,
                 weight_dtype=None):
     """(x, w13, w2, weights, ids) on the CPU: x in ``dtype``, experts in ``weight_dtype`` (default

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from mok_serve.kernels import invariant_linear_fp8, invariant_linear_fp8_reference
-from mok_serve.kernels.fp8 import dequantize_fp8_groups, quantize_fp8_blocks, quantize_fp8_groups
-from moe_test_utils import fresh_seed, rel_err
+from mok_serve.kernels.fp8 import quantize_fp8_blocks
+from moe_test_utils import fp8_linear_float64_reference as float64_reference, fresh_seed, rel_err
 
 
 def fp8_inputs(m, n, k, seed, dtype=torch.bfloat16):
@@ -15,13 +15,6 @@ def fp8_inputs(m, n, k, seed, dtype=torch.bfloat16):
     wq, ws = quantize_fp8_blocks(torch.randn(n, k, generator=g) / k**0.5)
     b = torch.randn(n, generator=g).to(dtype)
     return x, wq, ws, b
-
-
-def float64_reference(x, wq, ws, b):
-    """The same quantized operands, products summed in float64."""
-    xq = dequantize_fp8_groups(*quantize_fp8_groups(x.float())).double()
-    w = (wq.float() * ws.repeat_interleave(128, 0)[: wq.shape[0]].repeat_interleave(128, 1)[:, : wq.shape[1]]).double()
-    return xq @ w.t() + (b.double() if b is not None else 0)
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 128, 1024), (7, 200, 1100), (33, 384, 4096), (3, 130, 96)])

@@ -19,7 +19,7 @@ from mok_serve.kernels.cuda import configs  # noqa: E402
 from mok_serve.kernels.cuda.linear import invariant_linear_fp8_triton, linear_plan  # noqa: E402
 from mok_serve.kernels.fp8 import quantize_fp8_blocks  # noqa: E402
 from moe_test_utils import DEV, fresh_seed, rel_err  # noqa: E402
-from test_invariant_linear_fp8 import float64_reference  # noqa: E402
+from moe_test_utils import fp8_linear_float64_reference as float64_reference  # noqa: E402
 
 # Block-FP8 dense shapes [N, K]: Qwen3-30B-A3B-FP8 qkv / o, DeepSeek-V3 q_a / kv_a / q_b / o /
 # shared-expert gate_up and down, and odd ones.

@@ -16,7 +16,8 @@ from mok_serve.kernels.cuda import configs  # noqa: E402
 from mok_serve.kernels.cuda.linear import invariant_linear_fp8_triton, linear_plan  # noqa: E402
 from mok_serve.kernels.linear import invariant_linear_fp8_reference  # noqa: E402
 from moe_test_utils import rel_err  # noqa: E402
-from test_invariant_linear_fp8 import float64_reference, fp8_inputs  # noqa: E402
+from moe_test_utils import fp8_linear_float64_reference as float64_reference  # noqa: E402
+from test_invariant_linear_fp8 import fp8_inputs  # noqa: E402
 
 ROW_COUNTS = (1, 20, 40, 100, 300, 600)  # one of each config pick_linear_config gives (bf16 or FP8)
 

@@ -23,7 +23,7 @@ pytest.importorskip("vllm")
 from mok_serve.kernels.fp8 import quantize_fp8_blocks  # noqa: E402
 from mok_serve.vllm import deterministic  # noqa: E402
 from moe_test_utils import DEV, fresh_seed, rel_err  # noqa: E402
-from test_invariant_linear_fp8 import float64_reference  # noqa: E402
+from moe_test_utils import fp8_linear_float64_reference as float64_reference  # noqa: E402
 
 # [N, K] with K <= 3N: Qwen3-30B-A3B-FP8 qkv / o, DeepSeek-V3 q_b / o / shared-expert gate_up and down.
 SHAPES = [(5120, 2048), (2048, 4096), (24576, 1536), (7168, 16384), (4096, 7168), (7168, 2048)]
