@@ -428,10 +428,9 @@ def sweep_variants_fp8(tokens, top_k, E, H, I):
         # 64 columns, or at 128 on 8 warps, compile for sm_90a without spills (234-238 registers). Same
         # bits, but 1.6-1.8x slower than the default at DeepSeek-V3 520-1024 tokens, hot or uniform (H100,
         # a6f81c8: loadtest/results/hot_sweeps_a6f81c8_h100/).
-        heavy = dict(HEAVY_M=128, HEAVY_STAGES=3)
+        heavy, heavy_s2 = dict(HEAVY_M=128, HEAVY_STAGES=3), dict(HEAVY_M=128, HEAVY_STAGES=2)
         out += [("heavy128 n64", v(d1, BLOCK_N=64, **heavy), v(d2, BLOCK_N=64, **heavy)),
-                ("heavy128 n64 s2", v(d1, BLOCK_N=64, HEAVY_M=128, HEAVY_STAGES=2),
-                 v(d2, BLOCK_N=64, HEAVY_M=128, HEAVY_STAGES=2)),
+                ("heavy128 n64 s2", v(d1, BLOCK_N=64, **heavy_s2), v(d2, BLOCK_N=64, **heavy_s2)),
                 ("heavy128 g2 w8", v(d1, BLOCK_N=64, **heavy), v(d2, BLOCK_N=128, num_warps=8, **heavy))]
     if avg > 48:
         # vLLM's block-FP8 tile at these sizes (64 x 128, 4 warps, 3 stages, GROUP_SIZE_M 32) ran

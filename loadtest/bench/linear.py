@@ -214,15 +214,15 @@ def fp8_providers() -> dict:
 
     impls = {"kittens": invariant_linear_fp8}
     try:
-        from vllm import _custom_ops as ops
         from vllm.model_executor.layers.quantization.utils.fp8_utils import (per_token_group_quant_fp8,
                                                                               w8a8_triton_block_scaled_mm)
+
+        from mok_serve.vllm.deterministic import vllm_cutlass_linear_fp8
     except ImportError:
         return impls
 
-    def cutlass(x, w, ws):  # as vLLM's CutlassFp8BlockScaledMMKernel
-        xq, xs = per_token_group_quant_fp8(x, 128, column_major_scales=True)
-        return ops.cutlass_scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws.t(), out_dtype=x.dtype)
+    def cutlass(x, w, ws):  # as vLLM's CutlassFp8BlockScaledMMKernel (and --deterministic's cutlass choice)
+        return vllm_cutlass_linear_fp8(x, w, ws, None)
 
     def triton_block(x, w, ws):  # as vLLM's TritonFp8BlockScaledMMKernel
         xq, xs = per_token_group_quant_fp8(x, 128)
