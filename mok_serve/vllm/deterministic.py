@@ -150,7 +150,9 @@ def vllm_cutlass_linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale:
     from vllm.model_executor.layers.quantization.utils.fp8_utils import per_token_group_quant_fp8
 
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    xq, xs = per_token_group_quant_fp8(rows, 128, column_major_scales=True)
+    # use_ue8m0 stated: left to vLLM, it asks for the device's capability, which torch.compile cannot
+    # trace (a server's start failed there); power-of-two scales are DeepGEMM's format, not CUTLASS's
+    xq, xs = per_token_group_quant_fp8(rows, 128, column_major_scales=True, use_ue8m0=False)
     out = ops.cutlass_scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale.t(), out_dtype=x.dtype)
     if bias is not None:
         out = out + bias
