@@ -30,7 +30,7 @@ for group, head in ((8, 128), (12, 128), (1, 64)):
                     tag = f"g{group}_sw{int(swap)}_w{int(window)}_o{int(ones)}"
                     build(f"attn_{tag}_s{int(split)}", att._attention_kernel, ptrs, ints,
                           dict(consts, PAGE=16, SWAP=swap, SPLIT=split, DOT_F32=False, PDL=True), att.num_warps(swap),
-                          att.num_stages(head, 2))
+                          att.num_stages(head, 2, swap))
                     if split and swap:  # the merge runs 16-row blocks after either layout
                         build(f"merge_{tag}", att._attention_merge_kernel, ptrs,
                               {k: ints[k] for k in ("num_seqs", "window", "max_segs", "stride_ot", "stride_oh")},
@@ -64,7 +64,7 @@ for dtype, itemsize in (("bf16", 2), ("fp32", 4)):
         consts = dict(GROUP=1, BLOCK_Q=block_m, BLOCK_M=block_m, HEAD=192, HEAD_PAD=256, SEG=SEGMENT,
                       HAS_WINDOW=False, PAGE=16, SWAP=swap, SPLIT=False, DOT_F32=dtype == "fp32", PDL=True)
         build(f"attn_{dtype}_sw{int(swap)}", att._attention_kernel, ptrs, ints, consts, att.num_warps(swap),
-              att.num_stages(256, itemsize))
+              att.num_stages(256, itemsize, swap))
 """
 
 
