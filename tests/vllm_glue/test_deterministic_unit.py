@@ -344,3 +344,24 @@ def test_fp8_gemm_choice_sends_invariant_cutlass_layers_to_cutlass_and_the_rest_
     monkeypatch.setenv(deterministic.FP8_GEMM_VARIABLE, "cublas")
     with pytest.raises(ValueError, match="MOK_DETERMINISTIC_FP8_GEMM='cublas'.*kittens, cutlass"):
         deterministic.kittens_fp8_linear_apply(vllm_apply)
+
+
+def test_cutlass_path_states_the_scale_format_instead_of_asking_the_device(monkeypatch):
+    """vLLM's activation quantization picks power-of-two scales from the device when ``use_ue8m0``
+    is unset, a capability query torch.compile cannot trace: a DeepSeek-V3 FP8 server's start
+    failed there (0b850cd). CUTLASS takes plain fp32 scales, so the call says so."""
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.quantization.utils import fp8_utils
+
+    seen = {}
+
+    def quantize(rows, group, **kwargs):
+        seen.update(kwargs, group=group, rows=tuple(rows.shape))
+        return rows, torch.ones(rows.shape[0], rows.shape[1] // group)
+
+    monkeypatch.setattr(fp8_utils, "per_token_group_quant_fp8", quantize)
+    monkeypatch.setattr(ops, "cutlass_scaled_mm", lambda a, b, scale_a, scale_b, out_dtype: a @ b)
+    x, w = torch.randn(2, 3, 256), torch.randn(128, 256)
+    out = deterministic.vllm_cutlass_linear_fp8(x, w, torch.ones(1, 2), torch.ones(128))
+    assert seen == dict(group=128, rows=(6, 256), column_major_scales=True, use_ue8m0=False)
+    torch.testing.assert_close(out, (x.reshape(6, 256) @ w.t() + 1).reshape(2, 3, 128))
