@@ -105,7 +105,7 @@ def test_the_swapped_layout_computes_the_same_function(window):
                                    decode.block_table, decode.max_seq_len, decode.scale, segment_programs=0)
 
 
-def test_one_pipeline_stage_where_two_would_crowd_the_sm():
+def test_swapped_calls_take_one_pipeline_stage_past_32_kb_of_k_and_v():
     """Swapped (decode) calls keep a second stage only up to 32 KB of K and V per segment (one stage
     measured 1.25x faster at head 192, padded to 256), prefill calls up to 64 KB (shared memory)."""
     from mok_serve.kernels.cuda.attention import num_stages
