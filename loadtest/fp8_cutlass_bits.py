@@ -69,8 +69,7 @@ def main() -> None:
                 xq_k, xs_k = quantize_fp8_groups(x.float())
                 same_quant = torch.equal(xq_v.view(torch.uint8), xq_k.view(torch.uint8)) and torch.equal(xs_v, xs_k)
                 # CUTLASS on kittens' reference quantization. Meant to isolate the GEMM, but on an H100 (0b850cd)
-                # it differed from kittens' GEMM far more than CUTLASS on its own quantization: the reference does
-                # not quantize as kittens' kernel does (open).
+                # it differed from kittens' GEMM far more than CUTLASS on its own quantization; why is not known.
                 on_k = cutlass_q(xq_k, xs_k.t().contiguous().t(), w, ws, x.dtype)
                 r = {
                     "model": model, "layer": layer, "n": n, "k": k, "rows": rows,
