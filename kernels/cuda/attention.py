@@ -13,6 +13,11 @@ or the head dimension, on the M side), so no tile is mostly padding. A segment's
 on the tensor cores too, not a register reduction, whose tree would follow the layout. Same
 segments, same merges in the same order on every path: a row's bits depend on none of the path,
 its block's other rows or the call.
+
+A head size that is not a power of two runs as two column tiles where both stay on wgmma's M side
+(``head_parts``: 192 = 128 + 64) instead of one padded tile: scores chain the second tile's k-steps
+onto the first's accumulator (the same chain on every path), and each tile's ``P @ V`` columns are
+their own sums, so no padded column is loaded, multiplied or held in shared memory.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from ..attention import SEGMENT, check_attention_args
 from .launch import interpreting, pdl_launch
 from .tiles import grid_dependency
 
-__all__ = ["attention_paths", "attention_plan", "invariant_attention_triton", "num_stages", "num_warps"]
+__all__ = ["attention_paths", "attention_plan", "head_parts", "invariant_attention_triton", "num_stages", "num_warps"]
 
 PREFILL_ROWS = 64  # query rows of a program in a call with prefill tokens (wgmma's M side)
 DECODE_ROWS = 16  # query rows of a program in a decode call, operands swapped (wgmma's N side)
@@ -50,16 +55,43 @@ def _find_block(cu_q_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _segment(q, k_ptr, v_ptr, bt_row_ptr, kv_head, seq_len, seg, pos, lo, scale,
-             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-             PAGE: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-             SEG: tl.constexpr, SWAP: tl.constexpr, DOT_F32: tl.constexpr):
-    """(m, l, acc) of segment ``seg`` for the block's rows (positions ``pos``, first visible key
-    ``lo``): m the max visible score, P = e^(s - m) in the value dtype, l = P @ 1, acc = P @ V; a
-    row without a visible key gets l = 0. ``q`` is [BLOCK_M, HEAD_PAD], or its transpose with
-    ``SWAP``, and so is ``acc``."""
-    offs_d = tl.arange(0, HEAD_PAD)
+def _load_k(k_ptr, k_off, key_ok, d0, HEAD: tl.constexpr, WIDTH: tl.constexpr, SWAP: tl.constexpr):
+    """Head columns ``[d0, d0 + WIDTH)`` of a segment's keys: ``[SEG, WIDTH]``, or its transpose
+    without ``SWAP`` (the dot's B operand); columns past ``HEAD`` read 0."""
+    offs_d = d0 + tl.arange(0, WIDTH)
     d_ok = offs_d < HEAD
+    if SWAP:
+        k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+    else:
+        k = tl.load(k_ptr + k_off[None, :] + offs_d[:, None], mask=key_ok[None, :] & d_ok[:, None], other=0.0)
+    return k
+
+
+@triton.jit
+def _p_v(p_v, v_ptr, v_off, key_ok, d0, HEAD: tl.constexpr, WIDTH: tl.constexpr, SWAP: tl.constexpr,
+         DOT_F32: tl.constexpr):
+    """``P @ V`` for head columns ``[d0, d0 + WIDTH)``: ``[BLOCK_M, WIDTH]``, transposed with ``SWAP``."""
+    offs_d = d0 + tl.arange(0, WIDTH)
+    d_ok = offs_d < HEAD
+    if SWAP:
+        vt = tl.load(v_ptr + v_off[None, :] + offs_d[:, None], mask=key_ok[None, :] & d_ok[:, None], other=0.0)
+        acc = _dot(vt, p_v, DOT_F32)
+    else:
+        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = _dot(p_v, v, DOT_F32)
+    return acc
+
+
+@triton.jit
+def _segment(q_a, q_b, k_ptr, v_ptr, bt_row_ptr, kv_head, seq_len, seg, pos, lo, scale,
+             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+             PAGE: tl.constexpr, HEAD: tl.constexpr, HEAD_A: tl.constexpr, HEAD_B: tl.constexpr,
+             BLOCK_M: tl.constexpr, SEG: tl.constexpr, SWAP: tl.constexpr, DOT_F32: tl.constexpr):
+    """(m, l, acc_a, acc_b) of segment ``seg`` for the block's rows (positions ``pos``, first visible
+    key ``lo``): m the max visible score, P = e^(s - m) in the value dtype, l = P @ 1, acc = P @ V
+    for head columns ``[0, HEAD_A)`` and ``[HEAD_A, HEAD_A + HEAD_B)`` (acc_b is acc_a when
+    ``HEAD_B`` is 0); a row without a visible key gets l = 0. ``q_a`` and ``q_b`` are the query's
+    two column tiles, ``[BLOCK_M, width]`` or their transposes with ``SWAP``, and so are the accs."""
     keys = seg * SEG + tl.arange(0, SEG)
     key_ok = keys < seq_len
     page = tl.load(bt_row_ptr + keys // PAGE, mask=key_ok, other=0).to(tl.int64)
@@ -67,30 +99,36 @@ def _segment(q, k_ptr, v_ptr, bt_row_ptr, kv_head, seq_len, seg, pos, lo, scale,
     k_off = page * stride_kb + slot * stride_ks + kv_head * stride_kh
     v_off = page * stride_vb + slot * stride_vs + kv_head * stride_vh
     if SWAP:  # keys on the M side: [SEG, BLOCK_M] scores
-        k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
-        s = _dot(k, q, DOT_F32) * scale
+        s = _dot(_load_k(k_ptr, k_off, key_ok, 0, HEAD, HEAD_A, SWAP), q_a, DOT_F32)
+        if HEAD_B > 0:  # the second tile's k-steps chained onto the first's
+            s = _dot_acc(_load_k(k_ptr, k_off, key_ok, HEAD_A, HEAD, HEAD_B, SWAP), q_b, s, DOT_F32)
+        s = s * scale
         visible = (keys[:, None] <= pos[None, :]) & (keys[:, None] >= lo[None, :])
         s = tl.where(visible, s, float("-inf"))
         m = tl.max(s, axis=0)
         p = tl.exp(s - tl.where(m == float("-inf"), 0.0, m)[None, :])
-        vt = tl.load(v_ptr + v_off[None, :] + offs_d[:, None], mask=key_ok[None, :] & d_ok[:, None], other=0.0)
-        p_v = p.to(vt.dtype)
-        acc = _dot(vt, p_v, DOT_F32)  # [HEAD_PAD, BLOCK_M]
-        ones = tl.full([64, SEG], 1.0, p_v.dtype)  # 64 rows: wgmma's M side (every row the same sums)
-        l = tl.max(_dot(ones, p_v, DOT_F32), axis=0)
+        p_v = p.to(v_ptr.dtype.element_ty)
     else:  # query rows on the M side: [BLOCK_M, SEG] scores
-        kt = tl.load(k_ptr + k_off[None, :] + offs_d[:, None], mask=key_ok[None, :] & d_ok[:, None], other=0.0)
-        s = _dot(q, kt, DOT_F32) * scale
+        s = _dot(q_a, _load_k(k_ptr, k_off, key_ok, 0, HEAD, HEAD_A, SWAP), DOT_F32)
+        if HEAD_B > 0:
+            s = _dot_acc(q_b, _load_k(k_ptr, k_off, key_ok, HEAD_A, HEAD, HEAD_B, SWAP), s, DOT_F32)
+        s = s * scale
         visible = (keys[None, :] <= pos[:, None]) & (keys[None, :] >= lo[:, None])
         s = tl.where(visible, s, float("-inf"))
         m = tl.max(s, axis=1)
         p = tl.exp(s - tl.where(m == float("-inf"), 0.0, m)[:, None])
-        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
-        p_v = p.to(v.dtype)
-        acc = _dot(p_v, v, DOT_F32)  # [BLOCK_M, HEAD_PAD]
+        p_v = p.to(v_ptr.dtype.element_ty)
+    acc_a = _p_v(p_v, v_ptr, v_off, key_ok, 0, HEAD, HEAD_A, SWAP, DOT_F32)
+    acc_b = acc_a
+    if HEAD_B > 0:
+        acc_b = _p_v(p_v, v_ptr, v_off, key_ok, HEAD_A, HEAD, HEAD_B, SWAP, DOT_F32)
+    if SWAP:
+        ones = tl.full([64, SEG], 1.0, p_v.dtype)  # 64 rows: wgmma's M side (every row the same sums)
+        l = tl.max(_dot(ones, p_v, DOT_F32), axis=0)
+    else:
         ones = tl.full([SEG, 16], 1.0, p_v.dtype)
         l = tl.max(_dot(p_v, ones, DOT_F32), axis=1)
-    return m, l, acc
+    return m, l, acc_a, acc_b
 
 
 @triton.jit
@@ -103,20 +141,36 @@ def _dot(a, b, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _merge(M, L, O, m, l, acc, SWAP: tl.constexpr):
-    """Merge a segment's (m, l, acc) into the running (M, L, O) where the segment saw a key (l > 0);
-    O and acc transposed with ``SWAP``."""
+def _dot_acc(a, b, acc, DOT_F32: tl.constexpr):
+    """``acc + a @ b`` with a's k-steps chained onto ``acc`` (as one longer dot would)."""
+    if DOT_F32:
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        c = tl.dot(a, b, acc)
+    return c
+
+
+@triton.jit
+def _merge_weights(M, L, m, l):
+    """Merging a segment's (m, l) into the running (M, L) where the segment saw a key (l > 0):
+    the new (M, L), the weights of the running and the segment's accumulators, and where to merge."""
     has = l > 0
     M_new = tl.maximum(M, m)
     M_safe = tl.where(M_new == float("-inf"), 0.0, M_new)
     a = tl.exp(M - M_safe)
     b = tl.exp(m - M_safe)
     L_new = L * a + l * b
+    return tl.where(has, M_new, M), tl.where(has, L_new, L), a, b, has
+
+
+@triton.jit
+def _merge_acc(O, acc, a, b, has, SWAP: tl.constexpr):
+    """``O a + acc b`` on the rows that merge (O and acc transposed with ``SWAP``)."""
     if SWAP:
         O = tl.where(has[None, :], O * a[None, :] + acc * b[None, :], O)
     else:
         O = tl.where(has[:, None], O * a[:, None] + acc * b[:, None], O)
-    return tl.where(has, M_new, M), tl.where(has, L_new, L), O
+    return O
 
 
 @triton.jit
@@ -166,7 +220,7 @@ def _attention_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr,
-    HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, SEG: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HEAD: tl.constexpr, HEAD_A: tl.constexpr, HEAD_B: tl.constexpr, SEG: tl.constexpr, HAS_WINDOW: tl.constexpr,
     SWAP: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
     grid_dependency(PDL)
@@ -175,13 +229,14 @@ def _attention_kernel(
         cu_q_ptr, seq_lens_ptr, tl.program_id(0), kv_head, num_seqs, window, GROUP, BLOCK_Q, BLOCK_M, SEG, HAS_WINDOW)
     if last < 0:
         return
-    offs_d = tl.arange(0, HEAD_PAD)
-    d_ok = offs_d < HEAD
     q_rows = token.to(tl.int64) * stride_qt + head * stride_qh
-    if SWAP:
-        q = tl.load(q_ptr + q_rows[None, :] + offs_d[:, None], mask=row_ok[None, :] & d_ok[:, None], other=0.0)
-    else:
-        q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    offs_a = tl.arange(0, HEAD_A)
+    q_a = _load_q(q_ptr, q_rows, row_ok, offs_a, HEAD, SWAP)
+    offs_b = offs_a  # the second tile's columns, queries and accumulator: the first's when there is none
+    q_b = q_a
+    if HEAD_B > 0:
+        offs_b = HEAD_A + tl.arange(0, HEAD_B)
+        q_b = _load_q(q_ptr, q_rows, row_ok, offs_b, HEAD, SWAP)
     bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
     if SPLIT:
         # Program j of axis 2 computes the segments s = j (mod its size), each kept apart: the
@@ -190,29 +245,63 @@ def _attention_kernel(
         step = tl.num_programs(2)
         seg0 = first + (tl.program_id(2) - first % step + step) % step
         for seg in range(seg0, tl.minimum(last, max_segs - 1) + 1, step):
-            m, l, acc = _segment(q, k_ptr, v_ptr, bt_row_ptr, kv_head, seq_len, seg, pos, lo, scale,
-                                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                                 PAGE, HEAD, HEAD_PAD, BLOCK_M, SEG, SWAP, DOT_F32)
+            m, l, acc_a, acc_b = _segment(q_a, q_b, k_ptr, v_ptr, bt_row_ptr, kv_head, seq_len, seg, pos, lo, scale,
+                                          stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                          PAGE, HEAD, HEAD_A, HEAD_B, BLOCK_M, SEG, SWAP, DOT_F32)
             cell = (token.to(tl.int64) * tl.num_programs(1) * GROUP + head) * max_segs + seg  # [tokens, heads, segs]
-            if SWAP:
-                tl.store(part_ptr + cell[None, :] * HEAD_PAD + offs_d[:, None], acc, mask=row_ok[None, :])
-            else:
-                tl.store(part_ptr + cell[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
+            _store_part(part_ptr, acc_a, cell, row_ok, offs_a, HEAD_A + HEAD_B, SWAP)
+            if HEAD_B > 0:
+                _store_part(part_ptr, acc_b, cell, row_ok, offs_b, HEAD_A + HEAD_B, SWAP)
             tl.store(ml_ptr + cell * 2, m, mask=row_ok)
             tl.store(ml_ptr + cell * 2 + 1, l, mask=row_ok)
     else:
         M = tl.full([BLOCK_M], float("-inf"), tl.float32)
         L = tl.zeros([BLOCK_M], tl.float32)
-        if SWAP:
-            O = tl.zeros([HEAD_PAD, BLOCK_M], tl.float32)
-        else:
-            O = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+        O_a = _zeros(HEAD_A, BLOCK_M, SWAP)
+        O_b = O_a
+        if HEAD_B > 0:
+            O_b = _zeros(HEAD_B, BLOCK_M, SWAP)
         for seg in range(first, last + 1):
-            m, l, acc = _segment(q, k_ptr, v_ptr, bt_row_ptr, kv_head, seq_len, seg, pos, lo, scale,
-                                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                                 PAGE, HEAD, HEAD_PAD, BLOCK_M, SEG, SWAP, DOT_F32)
-            M, L, O = _merge(M, L, O, m, l, acc, SWAP)
-        _store_rows(out_ptr, O, L, token, head, row_ok, row_ok & False, offs_d, stride_ot, stride_oh, HEAD, SWAP)
+            m, l, acc_a, acc_b = _segment(q_a, q_b, k_ptr, v_ptr, bt_row_ptr, kv_head, seq_len, seg, pos, lo, scale,
+                                          stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                          PAGE, HEAD, HEAD_A, HEAD_B, BLOCK_M, SEG, SWAP, DOT_F32)
+            M, L, a, b, has = _merge_weights(M, L, m, l)
+            O_a = _merge_acc(O_a, acc_a, a, b, has, SWAP)
+            if HEAD_B > 0:
+                O_b = _merge_acc(O_b, acc_b, a, b, has, SWAP)
+        no_row = row_ok & False
+        _store_rows(out_ptr, O_a, L, token, head, row_ok, no_row, offs_a, stride_ot, stride_oh, HEAD, SWAP)
+        if HEAD_B > 0:
+            _store_rows(out_ptr, O_b, L, token, head, row_ok, no_row, offs_b, stride_ot, stride_oh, HEAD, SWAP)
+
+
+@triton.jit
+def _load_q(q_ptr, q_rows, row_ok, offs_d, HEAD: tl.constexpr, SWAP: tl.constexpr):
+    """The block's queries at head columns ``offs_d``: ``[BLOCK_M, width]``, transposed with ``SWAP``."""
+    d_ok = offs_d < HEAD
+    if SWAP:
+        q = tl.load(q_ptr + q_rows[None, :] + offs_d[:, None], mask=row_ok[None, :] & d_ok[:, None], other=0.0)
+    else:
+        q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    return q
+
+
+@triton.jit
+def _zeros(WIDTH: tl.constexpr, BLOCK_M: tl.constexpr, SWAP: tl.constexpr):
+    if SWAP:
+        z = tl.zeros([WIDTH, BLOCK_M], tl.float32)
+    else:
+        z = tl.zeros([BLOCK_M, WIDTH], tl.float32)
+    return z
+
+
+@triton.jit
+def _store_part(part_ptr, acc, cell, row_ok, offs_d, WIDTH: tl.constexpr, SWAP: tl.constexpr):
+    """A segment's ``acc`` at columns ``offs_d`` of its workspace rows (``WIDTH`` columns a row)."""
+    if SWAP:
+        tl.store(part_ptr + cell[None, :] * WIDTH + offs_d[:, None], acc, mask=row_ok[None, :])
+    else:
+        tl.store(part_ptr + cell[:, None] * WIDTH + offs_d[None, :], acc, mask=row_ok[:, None])
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
@@ -220,11 +309,12 @@ def _attention_merge_kernel(
     out_ptr, cu_q_ptr, seq_lens_ptr, part_ptr, ml_ptr, num_seqs, window, max_segs,
     stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD: tl.constexpr,
-    HEAD_PAD: tl.constexpr, COLS: tl.constexpr, SEG: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr,
+    WIDTH: tl.constexpr, COLS: tl.constexpr, SEG: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr,
 ):
     """The split path's second step: each row's segments merged in order, as ``_attention_kernel``
     merges them in one program, for the ``COLS`` output columns of grid axis 2 (every program of a
-    block walks the same (m, l) chain, so each column gets the bits of a whole-row merge)."""
+    block walks the same (m, l) chain, so each column gets the bits of a whole-row merge); the
+    workspace has ``WIDTH`` columns a row."""
     grid_dependency(PDL)
     kv_head = tl.program_id(1)
     seq, seq_len, token, head, row_ok, pos, lo, first, last = _rows(
@@ -242,8 +332,9 @@ def _attention_merge_kernel(
         cell = base + seg
         m = tl.load(ml_ptr + cell * 2, mask=sees, other=float("-inf"))
         l = tl.load(ml_ptr + cell * 2 + 1, mask=sees, other=0.0)
-        acc = tl.load(part_ptr + cell[:, None] * HEAD_PAD + offs_d[None, :], mask=sees[:, None], other=0.0)
-        M, L, O = _merge(M, L, O, m, l, acc, False)
+        acc = tl.load(part_ptr + cell[:, None] * WIDTH + offs_d[None, :], mask=sees[:, None], other=0.0)
+        M, L, a, b, has = _merge_weights(M, L, m, l)
+        O = _merge_acc(O, acc, a, b, has, False)
     # A KV length past the bound: segments the workspace could not hold, so the row is poisoned.
     _store_rows(out_ptr, O, L, token, head, row_ok, pos // SEG >= max_segs, offs_d, stride_ot, stride_oh, HEAD, False)
 
@@ -263,16 +354,26 @@ def num_warps(swap: bool) -> int:
     return 4 if swap else 8
 
 
-def num_stages(head_pad: int, itemsize: int, swap: bool) -> int:
+def head_parts(head_size: int) -> tuple[int, int]:
+    """The column tiles a head runs as: ``(a, 0)``, one tile padded to a power of two, or ``(a, b)``
+    where two tiles both at least 64 wide (wgmma's M side when the operands are swapped) cover it
+    with fewer columns: 192 = 128 + 64, 160 = 128 + 64, 96 -> (128, 0)."""
+    padded = max(16, triton.next_power_of_2(head_size))
+    a = padded // 2
+    b = max(64, triton.next_power_of_2(head_size - a)) if head_size > a else 0
+    return (a, b) if a >= 64 and b and a + b < padded else (padded, 0)
+
+
+def num_stages(width: int, itemsize: int, swap: bool) -> int:
     """Pipeline stages of the segment loop: two, unless a segment's K and V tiles (64 keys x the
-    padded head) pass 64 KB, where two copies would not fit shared memory (fp32 at head 192-256), or
-    pass 32 KB in the swapped (decode) layout, by measurement: at DeepSeek-V3's head 192 (padded to
-    256, bf16) one stage took 2885 against 3592 us for 32 sequences of 2048 keys (H100, Triton 3.6,
-    c42af5c), where prefill calls ran 5-7% slower with it. Why is not established: compiled for
-    sm_90a with Triton 3.9, both ask the same shared memory. The stages move loads, never the order
-    of a sum: the same bits either way."""
+    head's ``width`` columns, padding included) pass 64 KB, where two copies would not fit shared
+    memory (fp32 at head 192-256), or pass 32 KB in the swapped (decode) layout, by measurement: at
+    DeepSeek-V3's head 192 (then padded to 256, bf16) one stage took 2885 against 3592 us for 32
+    sequences of 2048 keys (H100, Triton 3.6, c42af5c), where prefill calls ran 5-7% slower with
+    it. Why is not established: compiled for sm_90a with Triton 3.9, both ask the same shared
+    memory. The stages move loads, never the order of a sum: the same bits either way."""
     limit = 32 * 1024 if swap else 64 * 1024
-    return 1 if 2 * SEGMENT * head_pad * itemsize > limit else 2
+    return 1 if 2 * SEGMENT * width * itemsize > limit else 2
 
 
 def attention_paths(head_size: int) -> list[tuple[bool, bool]]:
@@ -328,31 +429,33 @@ def invariant_attention_triton(
                                                                       max_seq_len, swap)
     split = split_by_shape if split is None else split
     group = heads // kv_heads
-    head_pad = max(16, triton.next_power_of_2(head_size))
+    head_a, head_b = head_parts(head_size)
+    width = head_a + head_b  # columns of a row's tiles, and of the split path's workspace
     max_segs = triton.cdiv(max(max_seq_len, 1), SEGMENT)
     if split:
-        part = torch.empty((tokens, heads, max_segs, head_pad), dtype=torch.float32, device=q.device)
+        part = torch.empty((tokens, heads, max_segs, width), dtype=torch.float32, device=q.device)
         ml = torch.empty((tokens, heads, max_segs, 2), dtype=torch.float32, device=q.device)
     else:
         part = ml = out
-    consts = dict(GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD=head_size, HEAD_PAD=head_pad, SEG=SEGMENT,
+    consts = dict(GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD=head_size, SEG=SEGMENT,
                   HAS_WINDOW=window is not None)
     _attention_kernel[(q_blocks, kv_heads, min(max_segs, segment_programs) if split else 1)](
         q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, part, ml,
         num_seqs, scale, window or 0, max_segs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        PAGE=page, SWAP=swap, SPLIT=split, DOT_F32=interpret or q.dtype == torch.float32, **consts,
-        num_warps=num_warps(swap), num_stages=num_stages(head_pad, k_cache.element_size(), swap),
+        PAGE=page, HEAD_A=head_a, HEAD_B=head_b, SWAP=swap, SPLIT=split,
+        DOT_F32=interpret or q.dtype == torch.float32, **consts,
+        num_warps=num_warps(swap), num_stages=num_stages(width, k_cache.element_size(), swap),
         **pdl_launch(out, pdl, interpret),
     )
     if split:  # merged in 16-row blocks whatever the segments' blocks (the workspace is by token and head),
         # the columns spread over programs (a decode step alone has one block per KV head)
         merge_block_q = DECODE_ROWS // triton.next_power_of_2(group)
-        cols = min(head_pad, _MERGE_COLS)
+        cols = min(width, _MERGE_COLS)
         consts.update(BLOCK_Q=merge_block_q, BLOCK_M=DECODE_ROWS)
-        _attention_merge_kernel[(tokens // merge_block_q + num_seqs, kv_heads, head_pad // cols)](
+        _attention_merge_kernel[(tokens // merge_block_q + num_seqs, kv_heads, width // cols)](
             out, cu_seqlens_q, seq_lens, part, ml, num_seqs, window or 0, max_segs, out.stride(0), out.stride(1),
-            **consts, COLS=cols, num_warps=4, **pdl_launch(out, pdl, interpret),
+            **consts, WIDTH=width, COLS=cols, num_warps=4, **pdl_launch(out, pdl, interpret),
         )
     return out

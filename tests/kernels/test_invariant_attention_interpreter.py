@@ -41,11 +41,20 @@ def test_matches_the_reference_and_both_paths_agree(window, dtype):
     assert torch.equal(run(batch, split=True, window=window), whole)
 
 
+def test_a_head_runs_as_one_padded_tile_or_two_tiles_of_at_least_64_columns():
+    from mok_serve.kernels.cuda.attention import head_parts
+
+    assert [head_parts(h) for h in (48, 64, 96, 128, 160, 192, 256, 320)] == [
+        (64, 0), (64, 0), (128, 0), (128, 0), (128, 64), (128, 64), (256, 0), (256, 64)]
+
+
 @pytest.mark.parametrize("swap", [False, True])
-def test_a_head_size_that_is_not_a_power_of_two(swap):
-    """Head size 48, padded to 64 inside the kernel, as DeepSeek-V3's 192 (MLA off) is to 256: the
-    padded columns change no score and are never written."""
-    batch = Batch.random([(1, 150), (1, 70), (1, 3)], 2, 2, 48, seed=8)
+@pytest.mark.parametrize("head", [48, 192])
+def test_a_head_size_that_is_not_a_power_of_two(head, swap):
+    """Head size 48, padded to 64 inside the kernel, and 192 (DeepSeek-V3 with MLA off), two tiles
+    of 128 and 64 columns: the padded columns change no score and are never written, the second
+    tile's columns are written from its own accumulator."""
+    batch = Batch.random([(1, 150), (1, 70), (1, 3)], 2, 2, head, seed=8)
     ref = attention_reference(batch.q, batch.k, batch.v, batch.cu_q, batch.seq_lens, batch.block_table, batch.scale)
     whole = run(batch, split=False, swap=swap)
     assert rel_err(whole, ref) <= TOL[torch.bfloat16]
@@ -107,8 +116,8 @@ def test_the_swapped_layout_computes_the_same_function(window):
 
 def test_swapped_calls_take_one_pipeline_stage_past_32_kb_of_k_and_v():
     """Swapped (decode) calls keep a second stage only up to 32 KB of K and V per segment (one stage
-    measured 1.25x faster at head 192, padded to 256), prefill calls up to 64 KB (shared memory)."""
+    measured 1.25x faster at head 192, then padded to 256), prefill calls up to 64 KB (shared memory)."""
     from mok_serve.kernels.cuda.attention import num_stages
 
-    assert num_stages(128, 2, swap=True) == 2 and num_stages(256, 2, swap=True) == 1
-    assert num_stages(256, 2, swap=False) == 2 and num_stages(256, 4, swap=False) == 1
+    assert num_stages(128, 2, swap=True) == 2 and num_stages(192, 2, swap=True) == 1
+    assert num_stages(192, 2, swap=False) == 2 and num_stages(192, 4, swap=False) == 1
