@@ -55,10 +55,10 @@ def _find_block(cu_q_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _load_k(k_ptr, k_off, key_ok, d0, HEAD: tl.constexpr, WIDTH: tl.constexpr, SWAP: tl.constexpr):
-    """Head columns ``[d0, d0 + WIDTH)`` of a segment's keys: ``[SEG, WIDTH]``, or its transpose
+def _load_k(k_ptr, k_off, key_ok, D0: tl.constexpr, HEAD: tl.constexpr, WIDTH: tl.constexpr, SWAP: tl.constexpr):
+    """Head columns ``[D0, D0 + WIDTH)`` of a segment's keys: ``[SEG, WIDTH]``, or its transpose
     without ``SWAP`` (the dot's B operand); columns past ``HEAD`` read 0."""
-    offs_d = d0 + tl.arange(0, WIDTH)
+    offs_d = D0 + tl.arange(0, WIDTH)
     d_ok = offs_d < HEAD
     if SWAP:
         k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
@@ -68,10 +68,10 @@ def _load_k(k_ptr, k_off, key_ok, d0, HEAD: tl.constexpr, WIDTH: tl.constexpr, S
 
 
 @triton.jit
-def _p_v(p_v, v_ptr, v_off, key_ok, d0, HEAD: tl.constexpr, WIDTH: tl.constexpr, SWAP: tl.constexpr,
+def _p_v(p_v, v_ptr, v_off, key_ok, D0: tl.constexpr, HEAD: tl.constexpr, WIDTH: tl.constexpr, SWAP: tl.constexpr,
          DOT_F32: tl.constexpr):
-    """``P @ V`` for head columns ``[d0, d0 + WIDTH)``: ``[BLOCK_M, WIDTH]``, transposed with ``SWAP``."""
-    offs_d = d0 + tl.arange(0, WIDTH)
+    """``P @ V`` for head columns ``[D0, D0 + WIDTH)``: ``[BLOCK_M, WIDTH]``, transposed with ``SWAP``."""
+    offs_d = D0 + tl.arange(0, WIDTH)
     d_ok = offs_d < HEAD
     if SWAP:
         vt = tl.load(v_ptr + v_off[None, :] + offs_d[:, None], mask=key_ok[None, :] & d_ok[:, None], other=0.0)
