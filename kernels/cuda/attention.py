@@ -372,7 +372,7 @@ def num_stages(width: int, itemsize: int, swap: bool) -> int:
     sequences of 2048 keys (H100, Triton 3.6, c42af5c), where prefill calls ran 5-7% slower with
     it. Why is not established: compiled for sm_90a with Triton 3.9, both ask the same shared
     memory. The stages move loads, never the order of a sum: the same bits either way."""
-    limit = 32 * 1024 if swap else 64 * 1024
+    limit = 48 * 1024 if swap else 64 * 1024
     return 1 if 2 * SEGMENT * width * itemsize > limit else 2
 
 

@@ -119,5 +119,5 @@ def test_swapped_calls_take_one_pipeline_stage_past_32_kb_of_k_and_v():
     measured 1.25x faster at head 192, then padded to 256), prefill calls up to 64 KB (shared memory)."""
     from mok_serve.kernels.cuda.attention import num_stages
 
-    assert num_stages(128, 2, swap=True) == 2 and num_stages(192, 2, swap=True) == 1
+    assert num_stages(192, 2, swap=True) == 2 and num_stages(256, 2, swap=True) == 1
     assert num_stages(192, 2, swap=False) == 2 and num_stages(192, 4, swap=False) == 1
