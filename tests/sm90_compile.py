@@ -18,7 +18,7 @@ import pytest
 SHARED_BYTES = 227 * 1024  # an H100's or H200's opt-in shared memory per block (sm_90)
 
 PRELUDE = r"""
-import json, os, subprocess, sys
+import json, os, re, subprocess, sys
 os.environ.pop("TRITON_INTERPRET", None)
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
@@ -52,7 +52,8 @@ def build(name, fn, types, ints, consts, num_warps=4, num_stages=3):
     ptx = k.asm["ptx"]
     results[name] = dict(shared=k.metadata.shared, ptxas=log, bf16_wgmma="f32.bf16.bf16" in ptx,
                          fp8_wgmma="f32.e4m3.e4m3" in ptx, mma_sync="mma.sync" in ptx,
-                         grid_dependency="griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx)
+                         grid_dependency="griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx,
+                         scalar_16bit_loads=len(re.findall(r"ld\.global[.a-z]*\.b16 ", ptx)))
 """
 
 

@@ -244,7 +244,8 @@ def _attention_kernel(
         # the call's bound) are not computed: the merge kernel poisons those rows.
         step = tl.num_programs(2)
         seg0 = first + (tl.program_id(2) - first % step + step) % step
-        for seg in range(seg0, tl.minimum(last, max_segs - 1) + 1, step):
+        for rel in range(0, tl.minimum(last, max_segs - 1) + 1 - seg0, step):  # from 0: see _attention_merge_kernel
+            seg = seg0 + rel
             m, l, acc_a, acc_b = _segment(q_a, q_b, k_ptr, v_ptr, bt_row_ptr, kv_head, seq_len, seg, pos, lo, scale,
                                           stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                                           PAGE, HEAD, HEAD_A, HEAD_B, BLOCK_M, SEG, SWAP, DOT_F32)
@@ -261,7 +262,8 @@ def _attention_kernel(
         O_b = O_a
         if HEAD_B > 0:
             O_b = _zeros(HEAD_B, BLOCK_M, SWAP)
-        for seg in range(first, last + 1):
+        for rel in range(0, last + 1 - first):  # from 0: see _attention_merge_kernel
+            seg = first + rel
             m, l, acc_a, acc_b = _segment(q_a, q_b, k_ptr, v_ptr, bt_row_ptr, kv_head, seq_len, seg, pos, lo, scale,
                                           stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                                           PAGE, HEAD, HEAD_A, HEAD_B, BLOCK_M, SEG, SWAP, DOT_F32)
@@ -326,7 +328,11 @@ def _attention_merge_kernel(
     L = tl.zeros([BLOCK_M], tl.float32)
     O = tl.zeros([BLOCK_M, COLS], tl.float32)
     base = (token.to(tl.int64) * tl.num_programs(1) * GROUP + head) * max_segs
-    for seg in range(first, tl.minimum(last, max_segs - 1) + 1):
+    # Every segment loop counts from 0: with a lower bound computed by a reduction (first), Triton
+    # 3.9's alignment analysis gave the loop body nothing, and the loads there went scalar (2-byte
+    # K and V loads, 255 registers and spills at head 192); Triton 3.6 vectorized them either way.
+    for rel in range(0, tl.minimum(last, max_segs - 1) + 1 - first):
+        seg = first + rel
         # A row outside this segment's reach was not written there: it reads l = 0 (no merge).
         sees = row_ok & (pos >= seg * SEG) & (lo < (seg + 1) * SEG)
         cell = base + seg

@@ -1,7 +1,7 @@
 """Batch-invariant paged attention's kernels compile for Hopper (sm_90a) without a GPU, on both
 paths and both layouts (operands swapped for decode) and for the head groups of the served
-shapes, on bf16 wgmma alone, without register spills; and with every
-per-call integer at 1 (Triton passes those as constants). Same method as
+shapes, on bf16 wgmma alone, without register spills; and with the per-call counts and the
+block table's stride at 1 (Triton passes those as constants). Same method as
 tests/kernels/test_triton_moe_compile.py."""
 
 import pytest
@@ -22,9 +22,10 @@ for group, head in ((8, 128), (12, 128), (1, 64)):
             for split in (False, True):
                 for ones in (False, True):
                     n = 1 if ones else 7
-                    ints = dict(num_seqs=n, window=n, max_segs=n, stride_qt=n, stride_qh=n, stride_ot=n, stride_oh=n,
-                                stride_bt=n, stride_kb=n, stride_ks=n, stride_kh=n, stride_vb=n, stride_vs=n,
-                                stride_vh=n)
+                    st = 48  # q, out and cache strides as served tensors have them: multiples of 16 elements
+                    ints = dict(num_seqs=n, window=n, max_segs=n, stride_bt=n, stride_qt=st, stride_qh=st,
+                                stride_ot=st, stride_oh=st, stride_kb=st, stride_ks=st, stride_kh=st, stride_vb=st,
+                                stride_vs=st, stride_vh=st)
                     consts = dict(GROUP=group, BLOCK_Q=block_m // triton.next_power_of_2(group), BLOCK_M=block_m,
                                   HEAD=head, SEG=SEGMENT, HAS_WINDOW=window)
                     tag = f"g{group}_sw{int(swap)}_w{int(window)}_o{int(ones)}"
@@ -57,8 +58,9 @@ from mok_serve.kernels.attention import SEGMENT
 for dtype, itemsize in (("bf16", 2), ("fp32", 4)):
     ptrs = dict(q_ptr=f"*{dtype}", k_ptr=f"*{dtype}", v_ptr=f"*{dtype}", out_ptr=f"*{dtype}", cu_q_ptr="*i32",
                 seq_lens_ptr="*i32", bt_ptr="*i32", part_ptr="*fp32", ml_ptr="*fp32", scale="fp32")
-    ints = dict(num_seqs=7, window=7, max_segs=7, stride_qt=7, stride_qh=7, stride_ot=7, stride_oh=7, stride_bt=7,
-                stride_kb=7, stride_ks=7, stride_kh=7, stride_vb=7, stride_vs=7, stride_vh=7)
+    # strides as a served cache has them (multiples of 16 elements: Triton marks them so)
+    ints = dict(num_seqs=7, window=7, max_segs=7, stride_qt=48, stride_qh=48, stride_ot=48, stride_oh=48,
+                stride_bt=48, stride_kb=48, stride_ks=48, stride_kh=48, stride_vb=48, stride_vs=48, stride_vh=48)
     for swap in (False, True):
         block_m = att.DECODE_ROWS if swap else att.PREFILL_ROWS
         for split in (False, True):
@@ -73,12 +75,14 @@ for dtype, itemsize in (("bf16", 2), ("fp32", 4)):
 @pytest.mark.timeout(600)
 def test_head_192_runs_as_two_wgmma_tiles_within_shared_memory_in_bf16_and_fp32(tmp_path):
     """DeepSeek-V3's 192-wide heads (MLA off) run as tiles of 128 and 64 columns: in bf16 on wgmma
-    alone (both layouts give an element the same bits only on one instruction type), and in fp32
-    with one pipeline stage where two copies of K and V would not fit. (They spill registers, as the
-    tile padded to 256 did: a GPU measurement, not this test, says what that costs.)"""
+    alone (both layouts give an element the same bits only on one instruction type), with K, V and
+    q loaded in 16-byte vectors (no 2-byte load: the segment loops count from 0) and no register
+    spills, and in fp32 with one pipeline stage where two copies of K and V would not fit."""
     results = compile_for_sm90(HEAD_192, tmp_path)
     assert len(results) == 8
     for name, r in results.items():
         assert r["shared"] <= SHARED_BYTES, (name, r["shared"])
         if "bf16" in name:
             assert r["bf16_wgmma"] and not r["mma_sync"], f"{name}: not (only) bf16 wgmma"
+            assert r["scalar_16bit_loads"] == 0, (name, r["scalar_16bit_loads"])
+            assert no_spills(r["ptxas"]), (name, r["ptxas"])
