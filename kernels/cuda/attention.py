@@ -373,11 +373,11 @@ def head_parts(head_size: int) -> tuple[int, int]:
 def num_stages(width: int, itemsize: int, swap: bool) -> int:
     """Pipeline stages of the segment loop: two, unless a segment's K and V tiles (64 keys x the
     head's ``width`` columns, padding included) pass 64 KB, where two copies would not fit shared
-    memory (fp32 at head 192-256), or pass 32 KB in the swapped (decode) layout, by measurement: at
-    DeepSeek-V3's head 192 (then padded to 256, bf16) one stage took 2885 against 3592 us for 32
-    sequences of 2048 keys (H100, Triton 3.6, c42af5c), where prefill calls ran 5-7% slower with
-    it. Why is not established: compiled for sm_90a with Triton 3.9, both ask the same shared
-    memory. The stages move loads, never the order of a sum: the same bits either way."""
+    memory (fp32 at head 192-256), or pass 48 KB in the swapped (decode) layout, by measurement
+    (H100, Triton 3.6, 32 sequences of 2048 keys at DeepSeek-V3's head 192): as two tiles (48 KB)
+    two stages took 2279 against 3074 us with one (7d34d91); padded to 256 (64 KB) one stage took
+    2885 against 3592 us with two (c42af5c). The stages move loads, never the order of a sum: the
+    same bits either way."""
     limit = 48 * 1024 if swap else 64 * 1024
     return 1 if 2 * SEGMENT * width * itemsize > limit else 2
 
