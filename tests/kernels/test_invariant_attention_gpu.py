@@ -20,7 +20,7 @@ from mok_serve.kernels.cuda.attention import invariant_attention_triton  # noqa:
 from moe_test_utils import DEV, fresh_seed, rel_err  # noqa: E402
 
 # (query heads, KV heads, head size): Qwen3-30B-A3B, GLM-4.5-Air (12 per KV head), MHA, and MHA of
-# head size 192 (DeepSeek-V3 with VLLM_MLA_DISABLE=1: padded to 256 inside the kernel).
+# head size 192 (DeepSeek-V3 with VLLM_MLA_DISABLE=1: two column tiles of 128 and 64 inside the kernel).
 HEADS = [(32, 4, 128), (96, 8, 128), (8, 8, 64), (16, 16, 192)]
 
 
