@@ -55,30 +55,24 @@ def _find_block(cu_q_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _load_k(k_ptr, k_off, key_ok, D0: tl.constexpr, HEAD: tl.constexpr, WIDTH: tl.constexpr, SWAP: tl.constexpr):
-    """Head columns ``[D0, D0 + WIDTH)`` of a segment's keys: ``[SEG, WIDTH]``, or its transpose
-    without ``SWAP`` (the dot's B operand); columns past ``HEAD`` read 0."""
-    offs_d = D0 + tl.arange(0, WIDTH)
+def _load_tile(ptr, row_off, row_ok, offs_d, HEAD: tl.constexpr, ROWS_FIRST: tl.constexpr):
+    """Rows at offsets ``row_off``, head columns ``offs_d`` (columns past ``HEAD`` and rows not
+    ``row_ok`` read 0): ``[rows, width]`` with ``ROWS_FIRST``, else its transpose."""
     d_ok = offs_d < HEAD
-    if SWAP:
-        k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+    if ROWS_FIRST:
+        t = tl.load(ptr + row_off[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     else:
-        k = tl.load(k_ptr + k_off[None, :] + offs_d[:, None], mask=key_ok[None, :] & d_ok[:, None], other=0.0)
-    return k
+        t = tl.load(ptr + row_off[None, :] + offs_d[:, None], mask=row_ok[None, :] & d_ok[:, None], other=0.0)
+    return t
 
 
 @triton.jit
-def _p_v(p_v, v_ptr, v_off, key_ok, D0: tl.constexpr, HEAD: tl.constexpr, WIDTH: tl.constexpr, SWAP: tl.constexpr,
-         DOT_F32: tl.constexpr):
-    """``P @ V`` for head columns ``[D0, D0 + WIDTH)``: ``[BLOCK_M, WIDTH]``, transposed with ``SWAP``."""
-    offs_d = D0 + tl.arange(0, WIDTH)
-    d_ok = offs_d < HEAD
+def _p_v(p_v, v_ptr, v_off, key_ok, offs_d, HEAD: tl.constexpr, SWAP: tl.constexpr, DOT_F32: tl.constexpr):
+    """``P @ V`` for head columns ``offs_d``: ``[BLOCK_M, width]``, transposed with ``SWAP``."""
     if SWAP:
-        vt = tl.load(v_ptr + v_off[None, :] + offs_d[:, None], mask=key_ok[None, :] & d_ok[:, None], other=0.0)
-        acc = _dot(vt, p_v, DOT_F32)
+        acc = _dot(_load_tile(v_ptr, v_off, key_ok, offs_d, HEAD, False), p_v, DOT_F32)
     else:
-        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = _dot(p_v, v, DOT_F32)
+        acc = _dot(p_v, _load_tile(v_ptr, v_off, key_ok, offs_d, HEAD, True), DOT_F32)
     return acc
 
 
@@ -98,10 +92,14 @@ def _segment(q_a, q_b, k_ptr, v_ptr, bt_row_ptr, kv_head, seq_len, seg, pos, lo,
     slot = keys % PAGE
     k_off = page * stride_kb + slot * stride_ks + kv_head * stride_kh
     v_off = page * stride_vb + slot * stride_vs + kv_head * stride_vh
+    offs_a = tl.arange(0, HEAD_A)
+    offs_b = offs_a
+    if HEAD_B > 0:
+        offs_b = HEAD_A + tl.arange(0, HEAD_B)
     if SWAP:  # keys on the M side: [SEG, BLOCK_M] scores
-        s = _dot(_load_k(k_ptr, k_off, key_ok, 0, HEAD, HEAD_A, SWAP), q_a, DOT_F32)
+        s = _dot(_load_tile(k_ptr, k_off, key_ok, offs_a, HEAD, True), q_a, DOT_F32)
         if HEAD_B > 0:  # the second tile's k-steps chained onto the first's
-            s = _dot_acc(_load_k(k_ptr, k_off, key_ok, HEAD_A, HEAD, HEAD_B, SWAP), q_b, s, DOT_F32)
+            s = _dot(_load_tile(k_ptr, k_off, key_ok, offs_b, HEAD, True), q_b, DOT_F32, s)
         s = s * scale
         visible = (keys[:, None] <= pos[None, :]) & (keys[:, None] >= lo[None, :])
         s = tl.where(visible, s, float("-inf"))
@@ -109,19 +107,19 @@ def _segment(q_a, q_b, k_ptr, v_ptr, bt_row_ptr, kv_head, seq_len, seg, pos, lo,
         p = tl.exp(s - tl.where(m == float("-inf"), 0.0, m)[None, :])
         p_v = p.to(v_ptr.dtype.element_ty)
     else:  # query rows on the M side: [BLOCK_M, SEG] scores
-        s = _dot(q_a, _load_k(k_ptr, k_off, key_ok, 0, HEAD, HEAD_A, SWAP), DOT_F32)
+        s = _dot(q_a, _load_tile(k_ptr, k_off, key_ok, offs_a, HEAD, False), DOT_F32)
         if HEAD_B > 0:
-            s = _dot_acc(q_b, _load_k(k_ptr, k_off, key_ok, HEAD_A, HEAD, HEAD_B, SWAP), s, DOT_F32)
+            s = _dot(q_b, _load_tile(k_ptr, k_off, key_ok, offs_b, HEAD, False), DOT_F32, s)
         s = s * scale
         visible = (keys[None, :] <= pos[:, None]) & (keys[None, :] >= lo[:, None])
         s = tl.where(visible, s, float("-inf"))
         m = tl.max(s, axis=1)
         p = tl.exp(s - tl.where(m == float("-inf"), 0.0, m)[:, None])
         p_v = p.to(v_ptr.dtype.element_ty)
-    acc_a = _p_v(p_v, v_ptr, v_off, key_ok, 0, HEAD, HEAD_A, SWAP, DOT_F32)
+    acc_a = _p_v(p_v, v_ptr, v_off, key_ok, offs_a, HEAD, SWAP, DOT_F32)
     acc_b = acc_a
     if HEAD_B > 0:
-        acc_b = _p_v(p_v, v_ptr, v_off, key_ok, HEAD_A, HEAD, HEAD_B, SWAP, DOT_F32)
+        acc_b = _p_v(p_v, v_ptr, v_off, key_ok, offs_b, HEAD, SWAP, DOT_F32)
     if SWAP:
         ones = tl.full([64, SEG], 1.0, p_v.dtype)  # 64 rows: wgmma's M side (every row the same sums)
         l = tl.max(_dot(ones, p_v, DOT_F32), axis=0)
@@ -132,18 +130,9 @@ def _segment(q_a, q_b, k_ptr, v_ptr, bt_row_ptr, kv_head, seq_len, seg, pos, lo,
 
 
 @triton.jit
-def _dot(a, b, DOT_F32: tl.constexpr):
+def _dot(a, b, DOT_F32: tl.constexpr, acc=None):
+    """``a @ b``, or ``acc + a @ b`` with a's k-steps chained onto ``acc`` (as one longer dot would)."""
     if DOT_F32:  # fp32 data, and the interpreter (which mis-multiplies bf16 dots): fp32 ieee dots
-        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        c = tl.dot(a, b)
-    return c
-
-
-@triton.jit
-def _dot_acc(a, b, acc, DOT_F32: tl.constexpr):
-    """``acc + a @ b`` with a's k-steps chained onto ``acc`` (as one longer dot would)."""
-    if DOT_F32:
         c = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         c = tl.dot(a, b, acc)
@@ -231,12 +220,12 @@ def _attention_kernel(
         return
     q_rows = token.to(tl.int64) * stride_qt + head * stride_qh
     offs_a = tl.arange(0, HEAD_A)
-    q_a = _load_q(q_ptr, q_rows, row_ok, offs_a, HEAD, SWAP)
+    q_a = _load_tile(q_ptr, q_rows, row_ok, offs_a, HEAD, not SWAP)
     offs_b = offs_a  # the second tile's columns, queries and accumulator: the first's when there is none
     q_b = q_a
     if HEAD_B > 0:
         offs_b = HEAD_A + tl.arange(0, HEAD_B)
-        q_b = _load_q(q_ptr, q_rows, row_ok, offs_b, HEAD, SWAP)
+        q_b = _load_tile(q_ptr, q_rows, row_ok, offs_b, HEAD, not SWAP)
     bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
     if SPLIT:
         # Program j of axis 2 computes the segments s = j (mod its size), each kept apart: the
@@ -275,17 +264,6 @@ def _attention_kernel(
         _store_rows(out_ptr, O_a, L, token, head, row_ok, no_row, offs_a, stride_ot, stride_oh, HEAD, SWAP)
         if HEAD_B > 0:
             _store_rows(out_ptr, O_b, L, token, head, row_ok, no_row, offs_b, stride_ot, stride_oh, HEAD, SWAP)
-
-
-@triton.jit
-def _load_q(q_ptr, q_rows, row_ok, offs_d, HEAD: tl.constexpr, SWAP: tl.constexpr):
-    """The block's queries at head columns ``offs_d``: ``[BLOCK_M, width]``, transposed with ``SWAP``."""
-    d_ok = offs_d < HEAD
-    if SWAP:
-        q = tl.load(q_ptr + q_rows[None, :] + offs_d[:, None], mask=row_ok[None, :] & d_ok[:, None], other=0.0)
-    else:
-        q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    return q
 
 
 @triton.jit
