@@ -83,10 +83,8 @@ case $what in
     step "h200_check_attention_$commit.log" 570 mok-loadtest attention --out "$out" --no-history "$@" ;;
   step-profile)  # SHAPE (mok-serve build-model --list) MOE_BACKEND [ARGS of mok-loadtest step-profile];
     # WEIGHT_GIB as in h200_serving.sh (DeepSeek-V3 FP8 on an 80 GB card: 40)
-    model=/tmp/models/$1${WEIGHT_GIB:+-$WEIGHT_GIB}
-    mkdir -p /tmp/models && flock /tmp/models/.lock mok-serve build-model --shape "$1" --out "$model" \
-      ${WEIGHT_GIB:+--weight-gib "$WEIGHT_GIB"} >/dev/null
-    [[ $1 == deepseek* ]] && export VLLM_MLA_DISABLE=1  # as h200_serving.sh: the kit has no MLA backend
+    source "$(dirname "$0")/device_model.sh"
+    device_model "$1"
     step "step_profile_$commit.log" 400 mok-loadtest step-profile "$model" --moe-backend "$2" "${@:3}" \
       --attention-backend TRITON_ATTN --out "$out" ;;
   *) echo "usage: $0 tests|layer|layer-fp8|sweep|sweep-fp8|linear-tests|deterministic-serving|fp8-cutlass|linear|linear-fp8|sweep-linear|attention|step-profile OUT [ARGS...]" >&2; exit 2 ;;

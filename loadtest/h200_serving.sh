@@ -29,10 +29,8 @@ IFS=, read -ra backends <<<"$2"
 memory=()
 (( ${#backends[@]} == 1 )) || memory=(--gpu-memory-utilization "${GPU_UTIL:-0.45}" \
   --kv-cache-memory-bytes $(( ${KV_GIB:-24} << 30 )))
-model=/tmp/models/$shape${WEIGHT_GIB:+-$WEIGHT_GIB}
-mkdir -p /tmp/models && flock /tmp/models/.lock mok-serve build-model --shape "$shape" --out "$model" \
-  ${WEIGHT_GIB:+--weight-gib "$WEIGHT_GIB"}
-[[ $shape == deepseek* ]] && export VLLM_MLA_DISABLE=1  # the kit has no FlashAttention/FlashInfer for MLA
+source "$(dirname "$0")/device_model.sh"
+device_model "$shape"
 
 servers=()
 trap 'kill "${servers[@]}" 2>/dev/null; wait 2>/dev/null || true' EXIT
