@@ -28,4 +28,4 @@ def test_device_model_builds_the_shape_once_at_its_path(tmp_path, shape, weight_
     path = f"/tmp/models/{shape}-{weight_gib}" if weight_gib else f"/tmp/models/{shape}"
     assert out == [path, mla_disabled]
     expected = f"build-model --shape {shape} --out {path}" + (f" --weight-gib {weight_gib}" if weight_gib else "")
-    assert calls.read_text().split("\n")[0] == expected
+    assert calls.read_text().splitlines() == [expected]
