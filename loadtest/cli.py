@@ -202,8 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
         "c=1,4,16 and rate=8). Repeat for several workloads: each server runs every run of every workload, "
         "in the order given, before the next server starts (one server start for all). Run names then start "
         "with IN/OUT (e.g. '512/256 c=8'). Replaces --input-len, --output-len, --concurrency and "
-        "--request-rate, which cannot be given with it. E.g. --workload 512:256:c=1,8,32,128,256:rate=30 "
-        "--workload 4096:64:c=1,32",
+        "--request-rate, which cannot be given with it. A value listed again is another run of that point with "
+        "fresh prompts, named with #2, #3... (c=256,256,256: three runs at 256). E.g. "
+        "--workload 512:256:c=1,8,32,128,256:rate=30 --workload 4096:64:c=1,32",
     )
     g.add_argument("--input-len", type=int, default=None, help="random prompt length in tokens (default: 128)")
     g.add_argument(
@@ -402,14 +403,22 @@ def _specs(args, workloads: list[Workload]) -> list:
         lens = {"input_len": None if args.dataset else w.input_len, "output_len": w.output_len}
         for i, c in enumerate(w.concurrency):
             warm = args.warmup if args.warmup is not None else max(2, c)
-            specs.append(RunSpec(f"{prefix}c={c}", c, float("inf"), _fixed_concurrency_requests(args, c), warm,
+            name = _repeat_name(f"{prefix}c={c}", w.concurrency[:i].count(c))
+            specs.append(RunSpec(name, c, float("inf"), _fixed_concurrency_requests(args, c), warm,
                                  seed + 1000 * (i + 1), **lens))
         for j, r in enumerate(w.request_rate):
             warm = args.warmup if args.warmup is not None else 4
             name = f"{prefix}rate={r:g}" + (f",c={args.rate_max_concurrency}" if args.rate_max_concurrency else "")
-            specs.append(RunSpec(name, args.rate_max_concurrency, r, _poisson_requests(args, r), warm,
-                                 seed + 100000 + 1000 * j, **lens))
+            specs.append(RunSpec(_repeat_name(name, w.request_rate[:j].count(r)), args.rate_max_concurrency, r,
+                                 _poisson_requests(args, r), warm, seed + 100000 + 1000 * j, **lens))
     return specs
+
+
+def _repeat_name(name: str, earlier: int) -> str:
+    """A value listed again in c= or rate= is another run of that point, with its own seed (fresh
+    prompts), named '#2', '#3'...: a point whose runs scatter (a burst of prefills) is measured
+    several times against one server start."""
+    return name if earlier == 0 else f"{name} #{earlier + 1}"
 
 
 def _fixed_concurrency_requests(args, concurrency: int) -> int:

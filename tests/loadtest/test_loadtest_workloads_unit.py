@@ -112,6 +112,14 @@ def test_runs_with_the_same_name_are_a_usage_error(capsys):
     assert code == cli.EXIT_USAGE and "['16/8 c=1']" in capsys.readouterr().err
 
 
+def test_a_point_listed_again_is_another_run_with_its_own_name_and_prompts():
+    got = specs("--workload", "512:256:c=8,256,256,256:rate=3,3", "--workload", "4096:64:c=32")
+    assert [s.name for s in got] == ["512/256 c=8", "512/256 c=256", "512/256 c=256 #2", "512/256 c=256 #3",
+                                     "512/256 rate=3", "512/256 rate=3 #2", "4096/64 c=32"]
+    assert [s.concurrency for s in got[1:4]] == [256] * 3 and [s.rate for s in got[4:6]] == [3.0, 3.0]
+    assert len({s.seed for s in got}) == len(got)  # fresh prompts: no prefix-cache hit from an earlier run
+
+
 def test_workload_description_names_each_workload_and_the_request_counts():
     args = parse("--workload", "512:256:c=1:rate=3", "--workload", "4096:64:c=32", "--requests-per-stream", "2")
     workloads = cli.workloads_of(args)
