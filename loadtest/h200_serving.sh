@@ -3,7 +3,9 @@
 # the decode-heavy and prefill-heavy grid of the GPU load-test issue, with vLLM's defaults (CUDA
 # graphs, torch.compile, chunked prefill):
 #   bash loadtest/h200_serving.sh SHAPE BACKEND[,BACKEND] OUT [RATE]   # BACKEND: stock or kittens,
-#                                                             # either with -deterministic (mok-serve --deterministic)
+#                                                             # either with -deterministic (mok-serve --deterministic),
+#                                                             # or kittens-deterministic-cutlass (block-FP8 dense layers
+#                                                             # on vLLM's CUTLASS GEMM: MOK_DETERMINISTIC_FP8_GEMM=cutlass)
 # Two backends share one GPU: both servers start at once (a start is ~2.5 min, mostly compiles on
 # the host), each with a fixed KV cache (KV_GIB, default 24 GiB: skips vLLM's memory profiling,
 # which would count the other server's allocations as its own) and GPU_UTIL (default 0.45) of the
@@ -35,12 +37,17 @@ device_model "$shape"
 servers=()
 trap 'kill "${servers[@]}" 2>/dev/null; wait 2>/dev/null || true' EXIT
 start() {  # BACKEND PORT: a server in the background
-  local backend=$1 port=$2 mode=() moe
-  case $backend in *-deterministic) mode=(--deterministic) ;; esac
-  case ${backend%-deterministic} in stock) moe=auto ;; kittens) moe=kittens ;;
-    *) echo "BACKEND must be stock or kittens, either with -deterministic" >&2; exit 2 ;; esac
+  local backend=$1 port=$2 mode=() moe fp8_gemm=()
+  case $backend in
+    stock|kittens) ;;
+    stock-deterministic|kittens-deterministic) mode=(--deterministic) ;;
+    kittens-deterministic-cutlass) mode=(--deterministic) fp8_gemm=(MOK_DETERMINISTIC_FP8_GEMM=cutlass) ;;
+    *) echo "BACKEND must be stock or kittens, either with -deterministic, or kittens-deterministic-cutlass" >&2
+       exit 2 ;;
+  esac
+  case $backend in stock*) moe=auto ;; *) moe=kittens ;; esac
   mkdir -p "$out/$backend"
-  mok-serve "$model" --moe-backend "$moe" "${mode[@]}" --served-model-name "$shape" --port "$port" \
+  env "${fp8_gemm[@]}" mok-serve "$model" --moe-backend "$moe" "${mode[@]}" --served-model-name "$shape" --port "$port" \
     --load-format dummy --attention-backend TRITON_ATTN --max-model-len 8192 "${memory[@]}" ${SERVE_ARGS:-} \
     >"$out/$backend/server.log" 2>&1 &
   servers+=($!)
