@@ -77,7 +77,7 @@ def _p_v(p_v, v_ptr, v_off, key_ok, offs_d, HEAD: tl.constexpr, SWAP: tl.constex
 
 
 @triton.jit
-def _segment(q_a, q_b, k_ptr, v_ptr, bt_row_ptr, kv_head, seq_len, seg, pos, lo, scale,
+def _segment(q_a, q_b, offs_a, offs_b, k_ptr, v_ptr, bt_row_ptr, kv_head, seq_len, seg, pos, lo, scale,
              stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
              PAGE: tl.constexpr, HEAD: tl.constexpr, HEAD_A: tl.constexpr, HEAD_B: tl.constexpr,
              BLOCK_M: tl.constexpr, SEG: tl.constexpr, SWAP: tl.constexpr, DOT_F32: tl.constexpr):
@@ -85,17 +85,14 @@ def _segment(q_a, q_b, k_ptr, v_ptr, bt_row_ptr, kv_head, seq_len, seg, pos, lo,
     key ``lo``): m the max visible score, P = e^(s - m) in the value dtype, l = P @ 1, acc = P @ V
     for head columns ``[0, HEAD_A)`` and ``[HEAD_A, HEAD_A + HEAD_B)`` (acc_b is acc_a when
     ``HEAD_B`` is 0); a row without a visible key gets l = 0. ``q_a`` and ``q_b`` are the query's
-    two column tiles, ``[BLOCK_M, width]`` or their transposes with ``SWAP``, and so are the accs."""
+    two column tiles, ``[BLOCK_M, width]`` or their transposes with ``SWAP``, and so are the accs;
+    ``offs_a`` and ``offs_b`` their head columns."""
     keys = seg * SEG + tl.arange(0, SEG)
     key_ok = keys < seq_len
     page = tl.load(bt_row_ptr + keys // PAGE, mask=key_ok, other=0).to(tl.int64)
     slot = keys % PAGE
     k_off = page * stride_kb + slot * stride_ks + kv_head * stride_kh
     v_off = page * stride_vb + slot * stride_vs + kv_head * stride_vh
-    offs_a = tl.arange(0, HEAD_A)
-    offs_b = offs_a
-    if HEAD_B > 0:
-        offs_b = HEAD_A + tl.arange(0, HEAD_B)
     if SWAP:  # keys on the M side: [SEG, BLOCK_M] scores
         s = _dot(_load_tile(k_ptr, k_off, key_ok, offs_a, HEAD, True), q_a, DOT_F32)
         if HEAD_B > 0:  # the second tile's k-steps chained onto the first's
@@ -235,9 +232,9 @@ def _attention_kernel(
         seg0 = first + (tl.program_id(2) - first % step + step) % step
         for rel in range(0, tl.minimum(last, max_segs - 1) + 1 - seg0, step):  # from 0: see _attention_merge_kernel
             seg = seg0 + rel
-            m, l, acc_a, acc_b = _segment(q_a, q_b, k_ptr, v_ptr, bt_row_ptr, kv_head, seq_len, seg, pos, lo, scale,
-                                          stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                                          PAGE, HEAD, HEAD_A, HEAD_B, BLOCK_M, SEG, SWAP, DOT_F32)
+            m, l, acc_a, acc_b = _segment(q_a, q_b, offs_a, offs_b, k_ptr, v_ptr, bt_row_ptr, kv_head, seq_len, seg,
+                                          pos, lo, scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                                          stride_vh, PAGE, HEAD, HEAD_A, HEAD_B, BLOCK_M, SEG, SWAP, DOT_F32)
             cell = (token.to(tl.int64) * tl.num_programs(1) * GROUP + head) * max_segs + seg  # [tokens, heads, segs]
             _store_part(part_ptr, acc_a, cell, row_ok, offs_a, HEAD_A + HEAD_B, SWAP)
             if HEAD_B > 0:
@@ -253,9 +250,9 @@ def _attention_kernel(
             O_b = _zeros(HEAD_B, BLOCK_M, SWAP)
         for rel in range(0, last + 1 - first):  # from 0: see _attention_merge_kernel
             seg = first + rel
-            m, l, acc_a, acc_b = _segment(q_a, q_b, k_ptr, v_ptr, bt_row_ptr, kv_head, seq_len, seg, pos, lo, scale,
-                                          stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                                          PAGE, HEAD, HEAD_A, HEAD_B, BLOCK_M, SEG, SWAP, DOT_F32)
+            m, l, acc_a, acc_b = _segment(q_a, q_b, offs_a, offs_b, k_ptr, v_ptr, bt_row_ptr, kv_head, seq_len, seg,
+                                          pos, lo, scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                                          stride_vh, PAGE, HEAD, HEAD_A, HEAD_B, BLOCK_M, SEG, SWAP, DOT_F32)
             M, L, a, b, has = _merge_weights(M, L, m, l)
             O_a = _merge_acc(O_a, acc_a, a, b, has, SWAP)
             if HEAD_B > 0:
