@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -221,6 +223,56 @@ def headline_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+_REPEAT = re.compile(r"^(?P<point>.*) #(?P<n>[0-9]+)$")  # the names of cli._repeat_name: 'c=256 #2'
+
+
+def repeated_points(results: dict[str, Any]) -> dict[str, list[str]]:
+    """Points measured more than once against one server start (``c=256,256,256`` gives the runs
+    'c=256', 'c=256 #2', 'c=256 #3'): point name -> its run names, in run order."""
+    names = run_names(results)
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        m = _REPEAT.match(name)
+        point = m["point"] if m and m["point"] in names else name
+        groups.setdefault(point, []).append(name)
+    return {point: runs for point, runs in groups.items() if len(runs) > 1}
+
+
+def repeats_table(results: dict[str, Any]) -> str | None:
+    """Output tok/s of each repeated point: per server the median and the range over its runs, the
+    candidate / baseline ratio of the medians and the range of the run-by-run ratios. One run of a
+    point that scatters (a burst of prefills) can land anywhere in that range; the median is the figure
+    to judge it by."""
+    groups = repeated_points(results)
+    if not groups:
+        return None
+    base, cand = comparison_pair(results)
+    targets = [t for t in (base, cand) if t is not None] + [
+        t for t in results["targets"] if t is not base and t is not cand]
+    both = base is not None and cand is not None
+    header = ["point", "runs", *(f"{t['name']} median (range)" for t in targets)]
+    if both:
+        header += [f"{cand['name']}/{base['name']} of medians", "run by run"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    path = ("output_throughput",)
+    for point, names in groups.items():
+        medians, row = [], [point, str(len(names))]
+        for t in targets:
+            vals = [v for v in (get(r["summary"], path) for r in (run_of(t, n) for n in names)
+                                if r and not r.get("skipped")) if v is not None]
+            medians.append(statistics.median(vals) if vals else None)
+            row.append(f"{medians[-1]:.1f} ({min(vals):.1f}-{max(vals):.1f})" if vals else "—")
+        if both:
+            each = [ratio(get(c["summary"], path), get(b["summary"], path))
+                    for b, c in ((run_of(base, n), run_of(cand, n)) for n in names)
+                    if b and c and not b.get("skipped") and not c.get("skipped")]
+            each = [r for r in each if r is not None]
+            row.append(fmt_ratio(ratio(medians[1], medians[0])))
+            row.append(f"{min(each):.2f}-{max(each):.2f}x" if each else "—")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def layer_mean(run: dict[str, Any] | None) -> float | None:
     """Mean over the MoE layers (and ranks) of the per-layer headline time (a mean latency) from
     ``GET /v1/kittens/layers`` for one run; None when the server did not give one."""
@@ -341,6 +393,10 @@ def write_markdown(results: dict[str, Any], folder: Path, plots: list[Path]) -> 
                    "column counts those requests): the ratios of these figures are withheld. See "
                    "[Bunched streams](#bunched-streams).")
         out.append("")
+    if repeats := repeats_table(results):
+        out += ["## Repeated points", "",
+                "Output tok/s of the points measured more than once against the same servers: the median and "
+                "range over the runs (judge a point that scatters by its median).", "", repeats, ""]
     problems = []
     for t in results["targets"]:
         for e in t.get("events", []):

@@ -120,6 +120,31 @@ def test_a_point_listed_again_is_another_run_with_its_own_name_and_prompts():
     assert len({s.seed for s in got}) == len(got)  # fresh prompts: no prefix-cache hit from an earlier run
 
 
+def test_report_gives_a_repeated_point_its_median_range_and_ratio_of_medians(tmp_path):
+    from mok_serve.loadtest import report
+
+    def target(name, tok_s):
+        runs = [{"spec": {"name": n, "concurrency": 256, "rate": None}, "notes": [], "records": [],
+                 "summary": {"output_throughput": v, "failed": 0}} for n, v in tok_s.items()]
+        return {"name": name, "events": [], "runs": runs}
+
+    points = ["c=1", "c=256", "c=256 #2", "c=256 #3"]
+    results = {"config": {"baseline": "stock", "workload_description": "w"}, "targets": [
+        target("stock", dict(zip(points, [100.0, 8000.0, 7300.0, 7900.0]))),
+        target("kittens", dict(zip(points, [99.0, 6700.0, 7200.0, 6200.0])))]}
+    assert report.repeated_points(results) == {"c=256": ["c=256", "c=256 #2", "c=256 #3"]}
+    table = report.repeats_table(results)
+    assert "| point | runs | stock median (range) | kittens median (range) | kittens/stock of medians | run by run |" in table
+    # medians 7900 and 6700: 0.85x; run by run 6700/8000 = 0.84, 7200/7300 = 0.99, 6200/7900 = 0.78
+    assert "| c=256 | 3 | 7900.0 (7300.0-8000.0) | 6700.0 (6200.0-7200.0) | 0.85x | 0.78-0.99x |" in table
+    md = report.write_markdown(results, tmp_path, []).read_text()
+    assert "## Repeated points" in md and "| c=256 | 3 |" in md
+    # a name that merely ends in '#2' without its first run is its own point; no repeats, no section
+    results["targets"] = [target("stock", {"c=1": 1.0, "rate=3 #2": 2.0}), target("kittens", {"c=1": 1.0, "rate=3 #2": 2.0})]
+    assert report.repeats_table(results) is None
+    assert "## Repeated points" not in report.write_markdown(results, tmp_path, []).read_text()
+
+
 def test_workload_description_names_each_workload_and_the_request_counts():
     args = parse("--workload", "512:256:c=1:rate=3", "--workload", "4096:64:c=32", "--requests-per-stream", "2")
     workloads = cli.workloads_of(args)
