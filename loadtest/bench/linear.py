@@ -105,6 +105,11 @@ SWEEP = {
     "128x128 s4 w8 pointer A": (_bf16_tile(128, 128, 4, 8, tma_a=False), None),
     "128x128 s4 w8 WS": (_bf16_tile(128, 128, 4, 8, ws=True), None),
     "fp8 128x128 s4 w8 TMA A WS": (dict(_fp8_tile(128, 128, 4, 8), WARP_SPEC=True), None),
+    # Block-FP8 prefill on two consumer warpgroups and a TMA producer warp (Gluon, linear_fp8_consumers.py):
+    # each warpgroup scales its K block while the other's wgmma runs (the default waits for each block's).
+    "fp8 128x128 s4 TMA A two consumers": (dict(_fp8_tile(128, 128, 4, 8), TWO_CONSUMERS=True), None),
+    "fp8 128x128 s5 TMA A two consumers": (dict(_fp8_tile(128, 128, 5, 8), TWO_CONSUMERS=True), None),
+    "fp8 128x64 s6 TMA A two consumers": (dict(_fp8_tile(128, 64, 6, 8), TWO_CONSUMERS=True), None),
 }
 
 

@@ -54,3 +54,18 @@ def test_a_zero_row_and_a_nan_row_stay_apart():
     out = invariant_linear_fp8_triton(x, wq, ws, b)
     assert torch.equal(out[1], b)
     assert torch.isnan(out[2]).all() and not torch.isnan(out[[0, 1, 3]]).any()
+
+
+def test_two_consumer_tiles_refuse_calls_they_cannot_run():
+    """The Gluon two-consumer tile (a sweep variant) needs compiled code and TMA: under the
+    interpreter, and for a split call, the request is refused by name, never run as another kernel."""
+    x, wq, ws, b = fp8_inputs(300, 256, 1024, seed=3)
+    cfg = dict(linear_plan(300, 256, 1024, fp8=True)[0], BLOCK_M=128, BLOCK_N=128, TWO_CONSUMERS=True)
+    for split in (False, True):
+        with pytest.raises(ValueError, match="two-consumer tiles"):
+            invariant_linear_fp8_triton(x, wq, ws, b, config=cfg, split=split)
+    bf16_w = wq.to(torch.bfloat16)
+    from mok_serve.kernels.cuda.linear import invariant_linear_triton
+
+    with pytest.raises(ValueError, match="fp8 False"):
+        invariant_linear_triton(x, bf16_w, b, config=dict(configs.pick_linear_config(300, 256, 1024), TWO_CONSUMERS=True))
