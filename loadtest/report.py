@@ -175,11 +175,15 @@ def _json_default(o: Any) -> Any:
 # ---------------------------------------------------------------------------------- Markdown
 
 
-def headline_table(results: dict[str, Any]) -> str:
+def ordered_targets(results: dict[str, Any]) -> tuple[dict | None, dict | None, list[dict]]:
+    """(baseline, candidate, every target with those two first): the column order of the tables."""
     base, cand = comparison_pair(results)
-    targets = [t for t in (base, cand) if t is not None] + [
-        t for t in results["targets"] if t is not base and t is not cand
-    ]
+    return base, cand, [t for t in (base, cand) if t is not None] + [
+        t for t in results["targets"] if t is not base and t is not cand]
+
+
+def headline_table(results: dict[str, Any]) -> str:
+    base, cand, targets = ordered_targets(results)
     header = ["run"]
     for label, _, _, _ in HEADLINE:
         header += [f"{t['name']} {label}" for t in targets]
@@ -223,7 +227,7 @@ def headline_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-_REPEAT = re.compile(r"^(?P<point>.*) #(?P<n>[0-9]+)$")  # the names of cli._repeat_name: 'c=256 #2'
+_REPEAT = re.compile(r"^(?P<point>.*) #[0-9]+$")  # the names of cli._repeat_name: 'c=256 #2'
 
 
 def repeated_points(results: dict[str, Any]) -> dict[str, list[str]]:
@@ -246,9 +250,7 @@ def repeats_table(results: dict[str, Any]) -> str | None:
     groups = repeated_points(results)
     if not groups:
         return None
-    base, cand = comparison_pair(results)
-    targets = [t for t in (base, cand) if t is not None] + [
-        t for t in results["targets"] if t is not base and t is not cand]
+    base, cand, targets = ordered_targets(results)
     both = base is not None and cand is not None
     header = ["point", "runs", *(f"{t['name']} median (range)" for t in targets)]
     if both:
