@@ -69,3 +69,13 @@ def test_two_consumer_tiles_refuse_calls_they_cannot_run():
 
     with pytest.raises(ValueError, match="fp8 False"):
         invariant_linear_triton(x, bf16_w, b, config=dict(configs.pick_linear_config(300, 256, 1024), TWO_CONSUMERS=True))
+
+
+def test_two_consumer_launcher_refuses_tiles_it_has_no_kernel_for():
+    from mok_serve.kernels.cuda.linear_fp8_consumers import linear_fp8_two_consumers
+
+    a = torch.zeros(256, 1024, dtype=torch.float8_e4m3fn)
+    xs, w, ws, y = torch.ones(256, 8), torch.zeros(256, 1024, dtype=torch.float8_e4m3fn), torch.ones(2, 8), torch.empty(256, 256)
+    for cfg, chunk in ((dict(BLOCK_M=64, BLOCK_N=128, num_stages=4), 1024), (dict(BLOCK_M=128, BLOCK_N=128, num_stages=4), 1000)):
+        with pytest.raises(ValueError, match="two-consumer tiles are 128 rows tall"):
+            linear_fp8_two_consumers(a, xs, w, ws, None, y, chunk, cfg)
