@@ -239,6 +239,15 @@ def _linear(x, weight, weight_scale, bias, config, split, pdl) -> torch.Tensor:
     # TMA for the activations: ``a`` is this call's quantized copy or the contiguous, aligned ``rows``, so
     # whether TMA can read it is the layer's choice (K), never the call's: no variant appears while serving.
     tma_a = bool(g.get("TMA_A")) and not interpret and tma_ok(a)
+    if g.get("TWO_CONSUMERS"):  # (a sweep variant, not yet a default: linear_fp8_consumers.py)
+        tma_w = g["USE_TMA"] and tma_ok(weight)
+        if not (fp8 and not split and tma_a and tma_w):
+            raise ValueError("two-consumer tiles are for block-FP8 calls in one pass with activations and weights "
+                             f"TMA can read (fp8 {fp8}, split {split}, TMA activations {tma_a}, weights {tma_w})")
+        from .linear_fp8_consumers import linear_fp8_two_consumers
+
+        linear_fp8_two_consumers(a, xs, weight, ws, bias, y, chunk, g)  # (its own Gluon descriptors)
+        return y.view(out_shape)
     x_desc = descriptor(a, [bm, bk]) if tma_a else a
     w_desc = weight
     if g["USE_TMA"]:
@@ -247,14 +256,6 @@ def _linear(x, weight, weight_scale, bias, config, split, pdl) -> torch.Tensor:
         else:
             g["USE_TMA"] = False
     chunks = triton.cdiv(k, chunk)
-    if g.get("TWO_CONSUMERS"):  # (a sweep variant, not yet a default: linear_fp8_consumers.py)
-        if not (fp8 and not split and tma_a and g["USE_TMA"]):
-            raise ValueError("two-consumer tiles are for block-FP8 calls in one pass with activations and weights "
-                             f"TMA can read (fp8 {fp8}, split {split}, TMA activations {tma_a}, weights {g['USE_TMA']})")
-        from .linear_fp8_consumers import linear_fp8_two_consumers
-
-        linear_fp8_two_consumers(a, xs, weight, ws, bias, y, chunk, g)
-        return y.view(out_shape)
     part = torch.empty((chunks, m, n), dtype=torch.float32, device=x.device) if split else y
     b = bias if bias is not None else y
     common = dict(DOT_IEEE=(x.dtype == torch.float32 or interpret) and not fp8, DOT_F32=interpret, FP8=fp8)
