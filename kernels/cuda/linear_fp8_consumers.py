@@ -2,8 +2,8 @@
 ``linear.py``'s ``_linear_kernel``, with the tensor cores busy while a K block is scaled.
 
 ``_linear_kernel`` waits for each 128-deep K block's wgmma before scaling it into the accumulator, so
-the tensor cores idle through every scale-and-add (~370 TFLOP/s at 8192 rows on an H100, where
-CUTLASS's block-FP8 GEMM does ~1220). Here a producer warp streams the activation and weight tiles by
+the tensor cores idle through every scale-and-add (one 8192-token Qwen3-30B-A3B FP8 prefill step on an
+H100: 40.1 ms in it, the bf16 routers included, against 12.1 ms in CUTLASS's block-FP8 GEMM). Here a producer warp streams the activation and weight tiles by
 TMA through a ring of ``STAGES`` buffers, and two consumer warpgroups each own half of the tile's rows:
 each waits for its own wgmma and scales it while the other's runs. Neither reads a wgmma result while
 another of its own is in flight, which is what keeps ptxas from serializing the wgmma (C7514, seen
