@@ -207,7 +207,7 @@ def kittens_runs_the_dense_layers(config) -> bool:
 # ~26 ms of GPU work (H100, loadtest/results/deterministic/step_profile_prefill600_*). Around
 # 2048 tokens the step's GPU time catches up with the host's launches.
 EXTRA_GRAPH_SIZES = (*range(8, 256, 8), *range(256, 513, 16), 576, 640, 720, 816, 912, 1024, 1152, 1280, 1440,
-                     1616, 1824, 2048)
+                     1616, 1824, 2048, 2304, 2592, 2912, 3264, 3664, 4112, 4624, 5200, 5840, 6560, 7376, 8192)
 
 
 def adapt_vllm_start_up() -> None:

@@ -176,7 +176,8 @@ def test_a_kittens_deterministic_server_captures_prefill_sized_graphs(monkeypatc
 
     extended = sizes_of(_graph_config("kittens"))
     assert extended[:len(default)] == default and extended == sorted(set(extended))
-    assert extended[len(default):] == [576, 640, 720, 816, 912, 1024, 1152, 1280, 1440, 1616, 1824, 2048]
+    assert extended[len(default):] == [576, 640, 720, 816, 912, 1024, 1152, 1280, 1440, 1616, 1824, 2048, 2304, 2592,
+                                      2912, 3264, 3664, 4112, 4624, 5200, 5840, 6560, 7376, 8192]
     assert all(b <= a * 1.134 for a, b in zip(extended[len(default) - 1:], extended[len(default):]))  # padding
     assert sizes_of(_graph_config("kittens", max_tokens=1000))[-1] == 912  # within the batched-token budget
     few_seqs = _graph_config("kittens")
