@@ -54,6 +54,34 @@ def test_triton_kernel_under_the_interpreter(dtype, monkeypatch):
     assert z2.numel() == 0 and torch.equal(y2[5:6], invariant_rms_norm_triton(x[5:6], None, 1e-6)[0])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test: CPU-only machines")
+def test_triton_kernel_reads_per_head_rows_in_place_under_the_interpreter(monkeypatch):
+    """Qwen3's q/k norms normalize the heads of a slice of the fused qkv output ([tokens, heads, 128]
+    viewed with the qkv width as token stride): the same bits as on a contiguous copy, nothing
+    written outside the output, and leading dimensions that cannot merge into one still work."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    pytest.importorskip("triton")
+    from mok_serve.kernels.cuda.norm import invariant_rms_norm_triton
+
+    g = torch.Generator().manual_seed(5)
+    tokens, q_heads, kv_heads, d = 5, 4, 2, 16
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * d, generator=g).to(torch.bfloat16)
+    before = qkv.clone()
+    w = (1 + 0.1 * torch.randn(d, generator=g)).to(torch.bfloat16)
+    q, k, _ = qkv.split([q_heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    for part, heads in ((q, q_heads), (k, kv_heads)):
+        by_head = part.view(tokens, heads, d)
+        assert not by_head.is_contiguous()
+        y, z = invariant_rms_norm_triton(by_head, w, 1e-6)
+        assert y.shape == by_head.shape and z.numel() == 0
+        assert torch.equal(y, invariant_rms_norm_triton(by_head.contiguous(), w, 1e-6)[0])
+        assert rel_err(y, rms_norm_reference(by_head, w, 1e-6)[0]) <= 4e-3
+    assert torch.equal(qkv, before)
+    unmergeable = torch.randn(3, 4, 2, d, generator=g).to(torch.bfloat16).transpose(0, 1)  # [4, 3, 2, d]
+    y, _ = invariant_rms_norm_triton(unmergeable, w, 1e-6)
+    assert torch.equal(y, invariant_rms_norm_triton(unmergeable.contiguous(), w, 1e-6)[0])
+
+
 COMPILE = r"""
 from mok_serve.kernels.cuda import norm
 
@@ -62,7 +90,8 @@ for h in (64, 128, 2048, 4096, 7168, 16384):
         block = triton.next_power_of_2(h)
         build(f"norm_{h}_{residual}", norm._rms_norm_kernel,
               dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", z_ptr="*bf16", n_rows="i32", eps="fp32"),
-              dict(H=h, stride_x=h, stride_r=h, stride_y=h, stride_z=h),
+              dict(H=h, heads=32 if h == 128 else 1, stride_x=5120 if h == 128 else h, stride_xh=h, stride_r=h,
+                   stride_y=h, stride_z=h),
               dict(ROWS=norm.rows_per_program(h), BLOCK=block, HAS_RESIDUAL=residual, HAS_WEIGHT=True, RNE_FIX=False,
                    PDL=True),
               4 if block <= 1024 else 8 if block <= 4096 else 16, 1)

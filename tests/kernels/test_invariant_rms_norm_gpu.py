@@ -33,3 +33,21 @@ def test_accuracy_and_a_rows_bits_at_every_row_count(h, dtype):
         ym, zm = invariant_rms_norm(x[n - m :], w, 1e-6, r[n - m :])
         assert torch.equal(ym, y[n - m :]) and torch.equal(zm, z[n - m :]), m
         assert torch.equal(invariant_rms_norm(x[n - m :], None, 1e-6)[0], invariant_rms_norm(x, None, 1e-6)[0][n - m :])
+
+
+def test_per_head_rows_of_a_fused_qkv_output_read_in_place():
+    """Qwen3-30B-A3B's q/k norms: heads of a qkv slice (token stride 5120) give the bits of a
+    contiguous copy, a token's bits alone and in the batch, and the qkv output stays unwritten."""
+    g = torch.Generator(device=DEV).manual_seed(fresh_seed())
+    tokens, d = 3000, 128
+    qkv = torch.randn(tokens, 5120, device=DEV, generator=g).to(torch.bfloat16)
+    before = qkv.clone()
+    w = (1 + 0.1 * torch.randn(d, device=DEV, generator=g)).to(torch.bfloat16)
+    q, k, _ = qkv.split([4096, 512, 512], dim=-1)
+    for part, heads in ((q, 32), (k, 4)):
+        by_head = part.view(tokens, heads, d)
+        y = invariant_rms_norm(by_head, w, 1e-6)[0]
+        assert torch.equal(y, invariant_rms_norm(by_head.contiguous(), w, 1e-6)[0])
+        for m in (1, 255, 257):
+            assert torch.equal(invariant_rms_norm(by_head[tokens - m :], w, 1e-6)[0], y[tokens - m :]), m
+    assert torch.equal(qkv, before)
