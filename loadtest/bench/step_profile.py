@@ -12,7 +12,7 @@ and GPU kernel time by kernel and by kind (dense GEMM, MoE, attention, norms, sa
 of ``--input-len`` tokens, submitted together (vLLM chunks them into steps of its default
 batched-token budget): the prefill-heavy end of serving. ``--deterministic`` runs vLLM's
 batch-invariant mode (``VLLM_BATCH_INVARIANT=1``; with ``--moe-backend kittens`` kittens' invariant
-kernels and CUDA graphs up to 2048 tokens too), as ``mok-serve --deterministic``.
+kernels and CUDA graphs up to 8192 tokens too), as ``mok-serve --deterministic``.
 
 Output: ``step_profile_<label>.{json,md}`` in ``--out``.
 """

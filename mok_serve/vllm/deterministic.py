@@ -202,10 +202,12 @@ def kittens_runs_the_dense_layers(config) -> bool:
 
 # CUDA-graph sizes a kittens --deterministic server captures beyond vLLM's default ceiling (512
 # tokens on Hopper): vLLM's grid up to 512, then steps of 11-13.3% (the most padding a step pays) to
-# 2048. A step past the largest captured size runs eagerly, and there every kittens kernel pays a
-# Python Triton launch: an eager 600-token FP8 Qwen3-30B-A3B step took ~110 ms of wall time for
-# ~26 ms of GPU work (H100, loadtest/results/deterministic/step_profile_prefill600_*). Around
-# 2048 tokens the step's GPU time catches up with the host's launches.
+# 8192, vLLM's default --max-num-batched-tokens. A step past the largest captured size runs eagerly,
+# and there every kittens kernel pays a Python Triton launch: an eager 8192-token FP8 Qwen3-30B-A3B
+# step left 60 ms of its 223 ms wall time uncovered by GPU work, against stock's 17 (H100, 94ea732).
+# With graphs to 8192 (and the q/k norms read in place) FP8 Qwen3-30B-A3B at c=256 went from 0.84x
+# to 0.95x stock's output tok/s, for a start-up of 242 s against stock's 196 and 1.13 GiB of graph
+# memory against 0.27 (H100, c61a76e, loadtest/results/deterministic/serve_fp8_c61a76e_h100).
 EXTRA_GRAPH_SIZES = (*range(8, 256, 8), *range(256, 513, 16), 576, 640, 720, 816, 912, 1024, 1152, 1280, 1440,
                      1616, 1824, 2048, 2304, 2592, 2912, 3264, 3664, 4112, 4624, 5200, 5840, 6560, 7376, 8192)
 
