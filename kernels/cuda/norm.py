@@ -48,11 +48,12 @@ def rows_per_program(h: int) -> int:
 
 
 def _token_head_view(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as ``[tokens, heads, H]`` with unit column stride, a view where strides allow (the q or
-    k heads of a fused qkv output: tokens strided by the qkv width), else a contiguous copy; any
-    other shape is one head per row."""
+    """``x`` as ``[tokens, heads, H]`` with unit column stride. Per-head rows of a wider row (the q
+    or k heads of a fused qkv output: tokens strided by the qkv width) stay a view with their heads;
+    anything else is one row per token (a view where the rows merge, else a contiguous copy), so
+    ``heads`` is 1 or a layer's head count, never a per-call size."""
     h = x.shape[-1]
-    if x.dim() >= 3 and x.stride(-1) == 1:
+    if x.dim() >= 3 and x.stride(-1) == 1 and not x.is_contiguous():
         try:
             return x.view(-1, x.shape[-2], h)
         except RuntimeError:  # leading dimensions that do not merge without a copy

@@ -82,6 +82,23 @@ def test_triton_kernel_reads_per_head_rows_in_place_under_the_interpreter(monkey
     assert torch.equal(y, invariant_rms_norm_triton(unmergeable.contiguous(), w, 1e-6)[0])
 
 
+def test_rows_reach_the_kernel_without_copies_and_with_a_fixed_head_count():
+    """The kernel's ``heads`` is specialized by Triton, so it must be 1 or a layer's head count, never
+    a per-call size; views the kernel can read go in uncopied."""
+    pytest.importorskip("triton")
+    from mok_serve.kernels.cuda.norm import _token_head_view
+
+    qkv = torch.randn(7, 8 * 16)
+    q_by_head = qkv[:, : 4 * 16].view(7, 4, 16)
+    assert _token_head_view(q_by_head).shape == (7, 4, 16)
+    assert _token_head_view(q_by_head).data_ptr() == qkv.data_ptr()
+    for contiguous in (torch.randn(3, 5, 16), torch.randn(15, 16)):
+        assert _token_head_view(contiguous).shape == (15, 1, 16)
+    columns = qkv[:, 16:32]  # rows of a wider row, two-dimensional: strided rows, one head each
+    assert _token_head_view(columns).shape == (7, 1, 16) and _token_head_view(columns).data_ptr() == columns.data_ptr()
+    assert _token_head_view(qkv.t().contiguous().t()[:, :16]).is_contiguous()  # column-major: copied
+
+
 COMPILE = r"""
 from mok_serve.kernels.cuda import norm
 
