@@ -10,35 +10,19 @@ from sm90_compile import SHARED_BYTES, compile_for_sm90, no_spills
 pytest.importorskip("triton")
 
 BODY = r"""
-from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 from mok_serve.kernels.cuda import linear_fp8_consumers as lc
 
-fn = lc._linear_fp8_consumers_kernel
+# Ragged sizes and strides: no divisibility hints, the most general variant.
+ints = dict(M=1000, N=1000, K=1000, K_CHUNK=1000, stride_xs=1000, stride_ws=1000, stride_ym=1000)
 for bm, bn, stages in ((128, 128, 4), (128, 128, 5), (128, 64, 6)):
     a_layout = gl.NVMMASharedLayout.get_default_for([bm // 2, 128], gl.float8e4nv)
     w_layout = gl.NVMMASharedLayout.get_default_for([bn, 128], gl.float8e4nv)
     types = dict(a_desc=f"tensordesc<fp8e4nv[{bm // 2},128],{a_layout!r}>", w_desc=f"tensordesc<fp8e4nv[{bn},128],{w_layout!r}>",
                  xs_ptr="*fp32", ws_ptr="*fp32", bias_ptr="*bf16", y_ptr="*bf16")
-    consts = dict(BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, HAS_BIAS=True, num_warps=4)
-    sig, attrs = {}, {}
-    for i, a in enumerate(fn.arg_names):
-        if a in consts:
-            sig[a] = "constexpr"
-        elif a in types:
-            sig[a] = types[a]
-            if types[a].startswith("*"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[a] = "i32"
-    k = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    path = f"{sys.argv[1]}/consumers_{bm}x{bn}_s{stages}.ptx"
-    with open(path, "w") as f:
-        f.write(k.asm["ptx"])
-    log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o", os.devnull],
-                         capture_output=True, text=True, check=True).stderr
-    results[f"{bm}x{bn}_s{stages}"] = dict(shared=k.metadata.shared, ptxas=log, fp8_wgmma="f32.e4m3.e4m3" in k.asm["ptx"])
+    build(f"{bm}x{bn}_s{stages}", lc._linear_fp8_consumers_kernel, types, ints,
+          dict(BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, HAS_BIAS=True, num_warps=4), source=GluonASTSource)
 """
 
 
