@@ -12,6 +12,8 @@
 #   bash loadtest/h200_check.sh linear-fp8 OUT [ARGS...] # mok-loadtest linear --fp8: block FP8 against vLLM's GEMMs
 #   bash loadtest/h200_check.sh sweep-linear OUT [ARGS...]  # its tile variants at prefill-sized points
 #   bash loadtest/h200_check.sh attention OUT [ARGS...]  # mok-loadtest attention: invariant attention against vLLM's
+#   bash loadtest/h200_check.sh ncu-linear-fp8 OUT [MODEL:LAYER:ROWS]  # Nsight Compute: the block-FP8 GEMM's tiles and
+#                                                      # vLLM's CUTLASS one at a prefill point (default Qwen3 qkv_proj 8192)
 #   bash loadtest/h200_check.sh step-profile OUT SHAPE MOE_BACKEND [ARGS...]  # one decode step at c=1 or --batch N (ARGS:
 #                                                      # --deterministic, --prefill-prompts P, --input-len N...)
 # ARGS go to `mok-loadtest layer` (e.g. --shapes, --tokens). `tests` needs no vLLM (a session's
@@ -79,6 +81,17 @@ case $what in
     step "h200_check_sweep_linear_$commit.log" 570 mok-loadtest linear --sweep --no-history --out "$out" \
       --points Qwen3-30B-A3B:qkv_proj:2048 Qwen3-30B-A3B:o_proj:2048 Qwen3-30B-A3B:o_proj:256 \
       Qwen3-30B-A3B:qkv_proj:8192 GLM-4.5-Air:o_proj:2048 GLM-4.5-Air:lm_head:2048 Qwen3-30B-A3B:o_proj:64 "$@" ;;
+  ncu-linear-fp8)  # each kernel's first launch in a one-repeat sweep (its bit checks run eagerly first), the full
+    # section set; the reports come back as .ncu-rep files and as text
+    point=${1:-Qwen3-30B-A3B:qkv_proj:8192}
+    for kernel in _linear_kernel _linear_fp8_consumers_kernel cutlass; do
+      rep=$out/ncu_linear_fp8_${kernel#_}_$commit
+      step "ncu_linear_fp8_$commit.log" 300 ncu --clock-control none --set full --kernel-name "regex:$kernel" \
+        --launch-count 1 -f -o "$rep" mok-loadtest linear --fp8 --sweep --sweep-repeats 1 --no-history \
+        --out "$out/ncu_sweep" --points "$point" --sweep-labels default "fp8 128x128 s5 TMA A two consumers"
+      [[ -f $rep.ncu-rep ]] && step "ncu_linear_fp8_$commit.log" 60 ncu -i "$rep.ncu-rep" --page details
+    done
+    rm -rf "$out/ncu_sweep" ;;
   attention)
     step "h200_check_attention_$commit.log" 570 mok-loadtest attention --out "$out" --no-history "$@" ;;
   step-profile)  # SHAPE (mok-serve build-model --list) MOE_BACKEND [ARGS of mok-loadtest step-profile];
@@ -87,5 +100,5 @@ case $what in
     device_model "$1"
     step "step_profile_$commit.log" 400 mok-loadtest step-profile "$model" --moe-backend "$2" "${@:3}" \
       --attention-backend TRITON_ATTN --out "$out" ;;
-  *) echo "usage: $0 tests|layer|layer-fp8|sweep|sweep-fp8|linear-tests|deterministic-serving|fp8-cutlass|linear|linear-fp8|sweep-linear|attention|step-profile OUT [ARGS...]" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|layer|layer-fp8|sweep|sweep-fp8|linear-tests|deterministic-serving|fp8-cutlass|linear|linear-fp8|sweep-linear|attention|ncu-linear-fp8|step-profile OUT [ARGS...]" >&2; exit 2 ;;
 esac
