@@ -110,6 +110,10 @@ SWEEP = {
     "fp8 128x128 s4 TMA A two consumers": (dict(_fp8_tile(128, 128, 4, 8), TWO_CONSUMERS=True), None),
     "fp8 128x128 s5 TMA A two consumers": (dict(_fp8_tile(128, 128, 5, 8), TWO_CONSUMERS=True), None),
     "fp8 128x64 s6 TMA A two consumers": (dict(_fp8_tile(128, 64, 6, 8), TWO_CONSUMERS=True), None),
+    # Block-FP8 prefill with the K chunks' sums folded inside one K loop (the default runs a loop per chunk,
+    # each filling and draining its TMA pipeline: Qwen3-30B-A3B's qkv_proj has 2 chunks, o_proj 8).
+    "fp8 128x128 s4 TMA A fold": (dict(_fp8_tile(128, 128, 4, 8), FOLD_CHUNKS=True), None),
+    "fp8 128x128 s5 TMA A fold": (dict(_fp8_tile(128, 128, 5, 8), FOLD_CHUNKS=True), None),
 }
 
 

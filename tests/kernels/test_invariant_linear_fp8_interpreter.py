@@ -45,6 +45,23 @@ def test_rows_alone_equal_rows_in_a_batch_and_plans_take_128_column_blocks():
     assert linear_plan(8192, 2048, 4096)[0]["BLOCK_K"] == 64
 
 
+@pytest.mark.parametrize("m,n,k", [(5, 100, 1100), (19, 256, 1536), (3, 130, 2100)])
+def test_chunks_folded_in_one_k_loop_keep_the_bits(m, n, k):
+    """``FOLD_CHUNKS`` (a sweep variant): every chunk's sum added to the total inside one K loop gives
+    the bits of one loop per chunk, ragged K and columns included; calls that split K, or have one
+    chunk, ignore it."""
+    x, wq, ws, b = fp8_inputs(m, n, k, seed=m * n + k)
+    cfg, chunk, _ = linear_plan(600, n, k, fp8=True)
+    assert chunk < k  # several chunks, so the fold has something to fold
+    want = invariant_linear_fp8_triton(x, wq, ws, b, config=cfg, split=False)
+    for bias in (b, None):
+        got = invariant_linear_fp8_triton(x, wq, ws, bias, config=dict(cfg, FOLD_CHUNKS=True), split=False)
+        assert not torch.isnan(got).any()
+        assert torch.equal(got, want if bias is b else invariant_linear_fp8_triton(x, wq, ws, None, config=cfg,
+                                                                                    split=False))
+    assert torch.equal(invariant_linear_fp8_triton(x, wq, ws, b, config=dict(cfg, FOLD_CHUNKS=True), split=True), want)
+
+
 def test_a_zero_row_and_a_nan_row_stay_apart():
     """An all-zero row's groups take the floor scale (output: the bias); a NaN makes only its own
     row NaN."""
