@@ -101,6 +101,35 @@ def _store_rows(total, bias_ptr, y_ptr, offs_m, row_ok, offs_n, n_ok, stride_ym,
     tl.store(y_ptrs, cast(total, y_ptr.dtype.element_ty, RNE_FIX), mask=row_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _output_tile(
+    tile, x_ptr, x_desc, w_ptr, w_desc, xs_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, K_CHUNK,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_xs, stride_ws, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    STAGES: tl.constexpr, MULTI_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, TMA_A: tl.constexpr, SWAP_AB: tl.constexpr,
+    DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr, WARP_SPEC: tl.constexpr, FOLD: tl.constexpr,
+):
+    """Output tile ``tile``: its chunk sums added in chunk order, the bias, one rounding into ``y``."""
+    pid_m, pid_n = program_tile(tile, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    total = _chunk_sum(x_ptr, x_desc, w_ptr, w_desc, xs_ptr, ws_ptr, offs_m, row_ok, offs_n, n_ok, pid_m, pid_n, 0,
+                       K if FOLD else tl.minimum(K_CHUNK, K), K, K_CHUNK,
+                       stride_xm, stride_xk, stride_wn, stride_wk, stride_xs, stride_ws,
+                       BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K, EVEN_N, USE_TMA, TMA_A, SWAP_AB, DOT_IEEE, DOT_F32, FP8, WARP_SPEC,
+                       FOLD)
+    if MULTI_CHUNK:
+        for k_lo in range(K_CHUNK, K, K_CHUNK):
+            total += _chunk_sum(x_ptr, x_desc, w_ptr, w_desc, xs_ptr, ws_ptr, offs_m, row_ok, offs_n, n_ok, pid_m, pid_n, k_lo,
+                                tl.minimum(k_lo + K_CHUNK, K), K, K_CHUNK, stride_xm, stride_xk, stride_wn, stride_wk,
+                                stride_xs, stride_ws, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K, EVEN_N, USE_TMA,
+                                TMA_A, SWAP_AB, DOT_IEEE, DOT_F32, FP8, WARP_SPEC, False)
+    _store_rows(total, bias_ptr, y_ptr, offs_m, row_ok, offs_n, n_ok, stride_ym, HAS_BIAS, DOT_F32)
+
+
 @triton.jit(do_not_specialize=["M", "stride_part"])  # per-call row counts: one compile for every count
 def _linear_kernel(
     x_ptr, x_desc, w_ptr, w_desc, xs_ptr, ws_ptr, bias_ptr, y_ptr, part_ptr, M, N, K, K_CHUNK,
@@ -109,22 +138,21 @@ def _linear_kernel(
     STAGES: tl.constexpr, SPLIT: tl.constexpr, MULTI_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, TMA_A: tl.constexpr, SWAP_AB: tl.constexpr,
     DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr, WARP_SPEC: tl.constexpr, FOLD: tl.constexpr,
-    PDL: tl.constexpr,
+    PERSISTENT: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (tile[, chunk]): with ``SPLIT`` the fp32 sum of chunk ``program_id(1)`` into
-    ``part[chunk]`` ([chunks, M, N]); else the tile's chunk sums added in chunk order, the bias, one
-    rounding into ``y``. ``MULTI_CHUNK``: K holds more than one chunk (else one accumulator).
-    ``FP8``: ``x`` and ``w`` e4m3 with the scales ``xs`` / ``ws`` (``_chunk_sum``). ``FOLD``: the chunk
-    sums added inside one K loop (``_chunk_sum``); ``MULTI_CHUNK`` is then off."""
+    ``part[chunk]`` ([chunks, M, N]); else output tile ``program_id(0)`` (``_output_tile``), or with
+    ``PERSISTENT`` every ``num_programs``-th tile from it (one program per SM; the loop is not
+    flattened into the K loop, which made ptxas spill). ``MULTI_CHUNK``: K holds more than one chunk (else one
+    accumulator). ``FP8``: ``x`` and ``w`` e4m3 with the scales ``xs`` / ``ws`` (``_chunk_sum``).
+    ``FOLD``: the chunk sums added inside one K loop (``_chunk_sum``); ``MULTI_CHUNK`` is then off."""
     grid_dependency(PDL)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    pid_m, pid_n = program_tile(tl.program_id(0), num_m, num_n, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < M
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
     if SPLIT:
+        pid_m, pid_n = program_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < M
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
         k_lo = tl.program_id(1) * K_CHUNK
         acc = _chunk_sum(x_ptr, x_desc, w_ptr, w_desc, xs_ptr, ws_ptr, offs_m, row_ok, offs_n, n_ok, pid_m, pid_n, k_lo, tl.minimum(k_lo + K_CHUNK, K), K,
                          K_CHUNK, stride_xm, stride_xk, stride_wn, stride_wk, stride_xs, stride_ws,
@@ -132,19 +160,17 @@ def _linear_kernel(
                          False)
         p_ptrs = part_ptr + tl.program_id(1).to(tl.int64) * stride_part + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
         tl.store(p_ptrs, acc, mask=row_ok[:, None] & n_ok[None, :])
+    elif PERSISTENT:
+        for tile in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
+            _output_tile(tile, x_ptr, x_desc, w_ptr, w_desc, xs_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, K_CHUNK,
+                         stride_xm, stride_xk, stride_wn, stride_wk, stride_xs, stride_ws, stride_ym,
+                         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, MULTI_CHUNK, HAS_BIAS, EVEN_K, EVEN_N, USE_TMA, TMA_A,
+                         SWAP_AB, DOT_IEEE, DOT_F32, FP8, WARP_SPEC, FOLD)
     else:
-        total = _chunk_sum(x_ptr, x_desc, w_ptr, w_desc, xs_ptr, ws_ptr, offs_m, row_ok, offs_n, n_ok, pid_m, pid_n, 0,
-                           K if FOLD else tl.minimum(K_CHUNK, K), K, K_CHUNK,
-                           stride_xm, stride_xk, stride_wn, stride_wk, stride_xs, stride_ws,
-                           BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K, EVEN_N, USE_TMA, TMA_A, SWAP_AB, DOT_IEEE, DOT_F32, FP8, WARP_SPEC,
-                           FOLD)
-        if MULTI_CHUNK:
-            for k_lo in range(K_CHUNK, K, K_CHUNK):
-                total += _chunk_sum(x_ptr, x_desc, w_ptr, w_desc, xs_ptr, ws_ptr, offs_m, row_ok, offs_n, n_ok, pid_m, pid_n, k_lo,
-                                    tl.minimum(k_lo + K_CHUNK, K), K, K_CHUNK, stride_xm, stride_xk, stride_wn, stride_wk,
-                                    stride_xs, stride_ws, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K, EVEN_N, USE_TMA,
-                                    TMA_A, SWAP_AB, DOT_IEEE, DOT_F32, FP8, WARP_SPEC, False)
-        _store_rows(total, bias_ptr, y_ptr, offs_m, row_ok, offs_n, n_ok, stride_ym, HAS_BIAS, DOT_F32)
+        _output_tile(tl.program_id(0), x_ptr, x_desc, w_ptr, w_desc, xs_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, K_CHUNK,
+                     stride_xm, stride_xk, stride_wn, stride_wk, stride_xs, stride_ws, stride_ym,
+                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, MULTI_CHUNK, HAS_BIAS, EVEN_K, EVEN_N, USE_TMA, TMA_A,
+                     SWAP_AB, DOT_IEEE, DOT_F32, FP8, WARP_SPEC, FOLD)
 
 
 @triton.jit(do_not_specialize=["M", "stride_part"])
@@ -281,12 +307,15 @@ def _linear(x, weight, weight_scale, bias, config, split, pdl) -> torch.Tensor:
     b = bias if bias is not None else y
     common = dict(DOT_IEEE=(x.dtype == torch.float32 or interpret) and not fp8, DOT_F32=interpret, FP8=fp8)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    fold = bool(g.get("FOLD_CHUNKS")) and fp8 and not split and chunks > 1  # (a sweep variant, not yet a default)
-    _linear_kernel[(tiles, chunks if split else 1)](
+    fold = bool(g.get("FOLD_CHUNKS")) and fp8 and not split and chunks > 1  # (sweep variants, not yet defaults)
+    # PERSISTENT (a program count): that many programs take the output tiles in turn.
+    persistent = bool(g.get("PERSISTENT")) and not split and (fold or chunks == 1)
+    grid = (min(tiles, g["PERSISTENT"]),) if persistent else (tiles, chunks if split else 1)
+    _linear_kernel[grid](
         a, x_desc, weight, w_desc, xs, ws, b, y, part, m, n, k, chunk,
         a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), xs.stride(0), ws.stride(0), y.stride(0), m * n,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=g["GROUP_M"], STAGES=g["num_stages"], SPLIT=split,
-        MULTI_CHUNK=chunks > 1 and not fold, FOLD=fold, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, EVEN_N=n % bn == 0,
+        MULTI_CHUNK=chunks > 1 and not fold, FOLD=fold, PERSISTENT=persistent, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, EVEN_N=n % bn == 0,
         USE_TMA=g["USE_TMA"], TMA_A=tma_a, SWAP_AB=g["SWAP_AB"],
         WARP_SPEC=bool(g.get("WARP_SPEC")) and tma_a and g["USE_TMA"], **common,
         num_warps=g["num_warps"], num_stages=g["num_stages"], **pdl_launch(y, pdl, interpret),

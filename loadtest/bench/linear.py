@@ -114,6 +114,10 @@ SWEEP = {
     # each filling and draining its TMA pipeline: Qwen3-30B-A3B's qkv_proj has 2 chunks, o_proj 8).
     "fp8 128x128 s4 TMA A fold": (dict(_fp8_tile(128, 128, 4, 8), FOLD_CHUNKS=True), None),
     "fp8 128x128 s5 TMA A fold": (dict(_fp8_tile(128, 128, 5, 8), FOLD_CHUNKS=True), None),
+    # ... and persistent: one program per SM takes the tiles in turn (a 128 x 128 FP8 tile fits one program
+    # per SM; the tile loop flattened into the K loop, which would start the next tile's loads during this
+    # one's store, spilled registers under Triton 3.6 and 3.9).
+    "fp8 128x128 s4 TMA A fold persistent": (dict(_fp8_tile(128, 128, 4, 8), FOLD_CHUNKS=True, PERSISTENT=132), None),
 }
 
 

@@ -48,8 +48,8 @@ def test_rows_alone_equal_rows_in_a_batch_and_plans_take_128_column_blocks():
 @pytest.mark.parametrize("m,n,k", [(5, 100, 1100), (19, 256, 1536), (3, 130, 2100)])
 def test_chunks_folded_in_one_k_loop_keep_the_bits(m, n, k):
     """``FOLD_CHUNKS`` (a sweep variant): every chunk's sum added to the total inside one K loop gives
-    the bits of one loop per chunk, ragged K and columns included; calls that split K, or have one
-    chunk, ignore it."""
+    the bits of one loop per chunk, ragged K and columns included, and so do persistent programs
+    (``PERSISTENT``); calls that split K ignore both."""
     x, wq, ws, b = fp8_inputs(m, n, k, seed=m * n + k)
     cfg, chunk, _ = linear_plan(600, n, k, fp8=True)
     assert chunk < k  # several chunks, so the fold has something to fold
@@ -60,6 +60,9 @@ def test_chunks_folded_in_one_k_loop_keep_the_bits(m, n, k):
         assert torch.equal(got, want if bias is b else invariant_linear_fp8_triton(x, wq, ws, None, config=cfg,
                                                                                     split=False))
     assert torch.equal(invariant_linear_fp8_triton(x, wq, ws, b, config=dict(cfg, FOLD_CHUNKS=True), split=True), want)
+    # Persistent programs (fewer than the tiles: 3 programs take them in turn) keep them too.
+    small = dict(cfg, BLOCK_M=16, BLOCK_N=32, FOLD_CHUNKS=True, PERSISTENT=3)
+    assert torch.equal(invariant_linear_fp8_triton(x, wq, ws, b, config=small, split=False), want)
 
 
 def test_a_zero_row_and_a_nan_row_stay_apart():
