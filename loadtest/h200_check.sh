@@ -81,14 +81,17 @@ case $what in
     step "h200_check_sweep_linear_$commit.log" 570 mok-loadtest linear --sweep --no-history --out "$out" \
       --points Qwen3-30B-A3B:qkv_proj:2048 Qwen3-30B-A3B:o_proj:2048 Qwen3-30B-A3B:o_proj:256 \
       Qwen3-30B-A3B:qkv_proj:8192 GLM-4.5-Air:o_proj:2048 GLM-4.5-Air:lm_head:2048 Qwen3-30B-A3B:o_proj:64 "$@" ;;
-  ncu-linear-fp8)  # each kernel's first launch in a one-repeat sweep (its bit checks run eagerly first), the full
-    # section set; the reports come back as .ncu-rep files and as text
+  ncu-linear-fp8)  # the first launches of each kernel in a one-repeat sweep (its bit checks run eagerly first:
+    # _linear_kernel's default tile, then the variants in label order), the full section set; the reports come
+    # back as .ncu-rep files and as text. KERNELS="REGEX:COUNT ..." picks which.
     point=${1:-Qwen3-30B-A3B:qkv_proj:8192}
-    for kernel in _linear_kernel _linear_fp8_consumers_kernel cutlass; do
-      rep=$out/ncu_linear_fp8_${kernel#_}_$commit
+    for spec in ${KERNELS:-_linear_kernel:3 _linear_fp8_consumers_kernel:1 cutlass:1}; do
+      kernel=${spec%:*} rep=$out/ncu_linear_fp8_${spec%:*}_$commit
+      rep=${rep/_linear_fp8__/_linear_fp8_}
       step "ncu_linear_fp8_$commit.log" 300 ncu --clock-control none --set full --kernel-name "regex:$kernel" \
-        --launch-count 1 -f -o "$rep" mok-loadtest linear --fp8 --sweep --sweep-repeats 1 --no-history \
-        --out "$out/ncu_sweep" --points "$point" --sweep-labels default "fp8 128x128 s5 TMA A two consumers"
+        --launch-count "${spec#*:}" -f -o "$rep" mok-loadtest linear --fp8 --sweep --sweep-repeats 1 --no-history \
+        --out "$out/ncu_sweep" --points "$point" --sweep-labels "fp8 128x128 s4 TMA A fold" \
+        "fp8 128x128 s4 TMA A fold persistent" "fp8 128x128 s5 TMA A two consumers"
       [[ -f $rep.ncu-rep ]] && step "ncu_linear_fp8_$commit.log" 60 ncu -i "$rep.ncu-rep" --page details
     done
     rm -rf "$out/ncu_sweep" ;;
