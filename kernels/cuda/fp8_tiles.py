@@ -10,7 +10,8 @@ import triton.language as tl
 from ..fp8 import AMAX_FLOOR, FP8_MAX
 from .tiles import acc_zeros, load_cols, load_rows
 
-__all__ = ["GROUP", "fp8_gemm2_tile", "max_nan", "quantize_rows", "quantize_tile", "scaled_block_dot", "to_fp8"]
+__all__ = ["GROUP", "fp8_gemm2_tile", "max_nan", "quantize_rows", "quantize_tile", "scaled_block_dot",
+           "scaled_block_dot_one_weight_block", "to_fp8"]
 
 GROUP = 128  # activation group = weight K block = every GEMM's BLOCK_K = GEMM1's column tile
 _GROUP = tl.constexpr(GROUP)
@@ -75,6 +76,19 @@ def scaled_block_dot(a, b, sa, sb, acc, SWAP_AB: tl.constexpr):
         acc += tl.dot(tl.trans(b), tl.trans(a)) * (sb[:, None] * sa[None, :])
     else:
         acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+    return acc
+
+
+@triton.jit
+def scaled_block_dot_one_weight_block(a, b, sa, sb, acc, SWAP_AB: tl.constexpr):
+    """``scaled_block_dot`` for a tile whose columns all lie in one 128-column weight block: ``sb``
+    is that block's scale (a scalar), so each row's scale product ``sa * sb`` is formed once, not per
+    element; the products and sums are the same fp32 operations."""
+    s = sa * sb
+    if SWAP_AB:
+        acc += tl.dot(tl.trans(b), tl.trans(a)) * s[None, :]
+    else:
+        acc += tl.dot(a, b) * s[:, None]
     return acc
 
 

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from ..linear import FP8_BLOCK, check_linear_args, check_linear_fp8_args, k_chunk
 from .configs import LINEAR_SPLIT_BELOW_TILES, pick_linear_config
-from .fp8_tiles import quantize_tile, scaled_block_dot
+from .fp8_tiles import quantize_tile, scaled_block_dot_one_weight_block
 from .launch import descriptor, gemm_config, interpreting, pdl_launch, tma_ok
 from .tiles import acc_zeros, cast, grid_dependency, load_cols, load_rows, mma, program_tile
 
@@ -41,7 +41,7 @@ def _chunk_sum(
     """fp32 ``[BLOCK_M, BLOCK_N]`` sum of ``x[offs_m, k] * w[offs_n, k]`` over ``k_lo <= k < k_hi``
     in K order (``k_lo`` a multiple of BLOCK_K; only the tensor's end, ``K``, can be ragged). ``FP8``:
     e4m3 operands, 128-column K blocks, each block's products scaled by the activation row's scale
-    ``xs[m, b]`` and the weight block's ``ws[n // 128, b]`` (``scaled_block_dot``). ``TMA_A``: the
+    ``xs[m, b]`` and the weight block's ``ws[n // 128, b]`` (``scaled_block_dot_one_weight_block``). ``TMA_A``: the
     activation tiles through ``x_desc`` (zero past the rows and K, as the masked loads). ``WARP_SPEC``:
     the loads in a producer partition of warps apart from the wgmma ones (Triton's warp specialization).
     ``FOLD`` (block FP8, ``k_lo`` 0 and ``k_hi`` K): the whole K in one pipelined loop, each ``K_CHUNK``
@@ -51,8 +51,12 @@ def _chunk_sum(
     reading it at every block would make each block wait for its dot.)"""
     offs_k = tl.arange(0, BLOCK_K)
     if FP8:
+        # A tile's BLOCK_N (<= 128) columns start at a multiple of BLOCK_N, so they lie in one 128-column
+        # weight block: one weight scale per K block (a per-column vector cost a load per column a thread
+        # holds, 32 at 128 x 128, and a product per element).
+        tl.static_assert(BLOCK_N <= BLOCK_K, "an FP8 tile's columns must lie in one weight block")
         xs_ptrs = xs_ptr + offs_m.to(tl.int64) * stride_xs
-        ws_ptrs = ws_ptr + (offs_n // BLOCK_K) * stride_ws
+        ws_ptrs = ws_ptr + (pid_n * BLOCK_N // BLOCK_K) * stride_ws
     a_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_lo + offs_k)[None, :] * stride_xk
     if not USE_TMA:
         w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + (k_lo + offs_k)[:, None] * stride_wk
@@ -72,8 +76,8 @@ def _chunk_sum(
             w_ptrs += BLOCK_K * stride_wk
         if FP8:
             sa = tl.load(xs_ptrs + k0 // BLOCK_K, mask=row_ok, other=0.0)
-            sb = tl.load(ws_ptrs + k0 // BLOCK_K, mask=n_ok, other=0.0)
-            acc = scaled_block_dot(a, b, sa, sb, acc, SWAP_AB)
+            sb = tl.load(ws_ptrs + k0 // BLOCK_K)
+            acc = scaled_block_dot_one_weight_block(a, b, sa, sb, acc, SWAP_AB)
         else:
             acc = mma(a, b, acc, DOT_IEEE, DOT_F32, SWAP_AB)
         a_ptrs += BLOCK_K * stride_xk
