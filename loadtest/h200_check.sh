@@ -82,16 +82,15 @@ case $what in
       --points Qwen3-30B-A3B:qkv_proj:2048 Qwen3-30B-A3B:o_proj:2048 Qwen3-30B-A3B:o_proj:256 \
       Qwen3-30B-A3B:qkv_proj:8192 GLM-4.5-Air:o_proj:2048 GLM-4.5-Air:lm_head:2048 Qwen3-30B-A3B:o_proj:64 "$@" ;;
   ncu-linear-fp8)  # the first launches of each kernel in a one-repeat sweep (its bit checks run eagerly first:
-    # _linear_kernel's default tile, then the variants in label order), the full section set; the reports come
-    # back as .ncu-rep files and as text. KERNELS="REGEX:COUNT ..." picks which.
+    # _linear_kernel's default tile, then the 64 x 128 one; device_kernel: vLLM's CUTLASS GEMM), the full section
+    # set; the reports come back as .ncu-rep files and as text. KERNELS="REGEX:COUNT ..." picks which.
     point=${1:-Qwen3-30B-A3B:qkv_proj:8192}
-    for spec in ${KERNELS:-_linear_kernel:3 _linear_fp8_consumers_kernel:1 cutlass:1}; do
+    for spec in ${KERNELS:-_linear_kernel:2 device_kernel:1}; do
       kernel=${spec%:*} rep=$out/ncu_linear_fp8_${spec%:*}_$commit
       rep=${rep/_linear_fp8__/_linear_fp8_}
       step "ncu_linear_fp8_$commit.log" 300 ncu --clock-control none --set full --kernel-name "regex:$kernel" \
         --launch-count "${spec#*:}" -f -o "$rep" mok-loadtest linear --fp8 --sweep --sweep-repeats 1 --no-history \
-        --out "$out/ncu_sweep" --points "$point" --sweep-labels "fp8 128x128 s4 TMA A fold" \
-        "fp8 128x128 s4 TMA A fold persistent" "fp8 128x128 s5 TMA A two consumers"
+        --out "$out/ncu_sweep" --points "$point" --sweep-labels "fp8 64x128 s4 w4 TMA A"
       [[ -f $rep.ncu-rep ]] && step "ncu_linear_fp8_$commit.log" 60 ncu -i "$rep.ncu-rep" --page details
     done
     rm -rf "$out/ncu_sweep" ;;

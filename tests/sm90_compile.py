@@ -2,8 +2,8 @@
 
 ``compile_for_sm90(body, tmp_path)`` runs ``body`` after ``PRELUDE`` in a subprocess (the conftest
 puts Triton in interpreter mode on CPU machines, and a compile needs compiled mode): ``body`` calls
-``build(name, fn, types, ints, consts, num_warps, num_stages, source)`` per kernel variant, which compiles
-``fn`` (a Triton kernel, or a Gluon one with ``source=GluonASTSource``) as a launch would specialize it (an integer equal to 1 becomes a constant, pointers and
+``build(name, fn, types, ints, consts, num_warps, num_stages)`` per kernel variant, which compiles
+``fn`` as a launch would specialize it (an integer equal to 1 becomes a constant, pointers and
 integers divisible by 16 get that hint) and records its shared memory, ``ptxas -v`` log and what
 the PTX holds. Returns those records by name; skips where Triton has no ``get_ptxas``.
 """
@@ -28,7 +28,7 @@ from triton.compiler import ASTSource
 ptr = lambda t: "*" + t
 results = {}
 
-def build(name, fn, types, ints, consts, num_warps=4, num_stages=3, source=ASTSource):
+def build(name, fn, types, ints, consts, num_warps=4, num_stages=3):
     sig, attrs, consts = {}, {}, dict(consts)
     for i, a in enumerate(fn.arg_names):
         if a in consts:
@@ -42,7 +42,7 @@ def build(name, fn, types, ints, consts, num_warps=4, num_stages=3, source=ASTSo
             sig[a] = "i32"
             if ints[a] % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    src = source(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
     path = f"{sys.argv[1]}/{name}.ptx"
     with open(path, "w") as f:

@@ -32,23 +32,18 @@ _QUANTIZE_ROWS = 16  # token rows per activation-quantization program (one 128-c
 
 @triton.jit
 def _chunk_sum(
-    x_ptr, x_desc, w_ptr, w_desc, xs_ptr, ws_ptr, offs_m, row_ok, offs_n, n_ok, pid_m, pid_n, k_lo, k_hi, K, K_CHUNK,
+    x_ptr, x_desc, w_ptr, w_desc, xs_ptr, ws_ptr, offs_m, row_ok, offs_n, n_ok, pid_m, pid_n, k_lo, k_hi, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_xs, stride_ws,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, TMA_A: tl.constexpr, SWAP_AB: tl.constexpr,
-    DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr, WARP_SPEC: tl.constexpr, FOLD: tl.constexpr,
+    DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
     """fp32 ``[BLOCK_M, BLOCK_N]`` sum of ``x[offs_m, k] * w[offs_n, k]`` over ``k_lo <= k < k_hi``
     in K order (``k_lo`` a multiple of BLOCK_K; only the tensor's end, ``K``, can be ragged). ``FP8``:
     e4m3 operands, 128-column K blocks, each block's products scaled by the activation row's scale
     ``xs[m, b]`` and the weight block's ``ws[n // 128, b]`` (``scaled_block_dot_one_weight_block``). ``TMA_A``: the
     activation tiles through ``x_desc`` (zero past the rows and K, as the masked loads). ``WARP_SPEC``:
-    the loads in a producer partition of warps apart from the wgmma ones (Triton's warp specialization).
-    ``FOLD`` (block FP8, ``k_lo`` 0 and ``k_hi`` K): the whole K in one pipelined loop, each ``K_CHUNK``
-    chunk's sum added to the total as the chunk ends (chunk 0's sum is the total's start), so the loads
-    run on across chunk ends instead of the pipeline draining and refilling at each; the same sums in the
-    same order as one call per chunk. (FP8 only: a bf16 chunk's sum is the wgmma chain's accumulator, and
-    reading it at every block would make each block wait for its dot.)"""
+    the loads in a producer partition of warps apart from the wgmma ones (Triton's warp specialization)."""
     offs_k = tl.arange(0, BLOCK_K)
     if FP8:
         # A tile's BLOCK_N (<= 128) columns start at a multiple of BLOCK_N, so they lie in one 128-column
@@ -61,8 +56,6 @@ def _chunk_sum(
     if not USE_TMA:
         w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + (k_lo + offs_k)[:, None] * stride_wk
     acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
-    if FOLD:
-        total = acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES, warp_specialize=WARP_SPEC):
         k_ok = offs_k < K - k0
         if TMA_A:
@@ -81,15 +74,6 @@ def _chunk_sum(
         else:
             acc = mma(a, b, acc, DOT_IEEE, DOT_F32, SWAP_AB)
         a_ptrs += BLOCK_K * stride_xk
-        if FOLD:
-            if ((k0 + BLOCK_K) % K_CHUNK == 0) | (k0 + BLOCK_K >= K):
-                if k0 < K_CHUNK:
-                    total = acc
-                else:
-                    total += acc
-                acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
-    if FOLD:
-        acc = total
     if SWAP_AB:
         acc = tl.trans(acc)
     return acc
@@ -105,35 +89,6 @@ def _store_rows(total, bias_ptr, y_ptr, offs_m, row_ok, offs_n, n_ok, stride_ym,
     tl.store(y_ptrs, cast(total, y_ptr.dtype.element_ty, RNE_FIX), mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
-def _output_tile(
-    tile, x_ptr, x_desc, w_ptr, w_desc, xs_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, K_CHUNK,
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_xs, stride_ws, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    STAGES: tl.constexpr, MULTI_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, TMA_A: tl.constexpr, SWAP_AB: tl.constexpr,
-    DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr, WARP_SPEC: tl.constexpr, FOLD: tl.constexpr,
-):
-    """Output tile ``tile``: its chunk sums added in chunk order, the bias, one rounding into ``y``."""
-    pid_m, pid_n = program_tile(tile, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < M
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    total = _chunk_sum(x_ptr, x_desc, w_ptr, w_desc, xs_ptr, ws_ptr, offs_m, row_ok, offs_n, n_ok, pid_m, pid_n, 0,
-                       K if FOLD else tl.minimum(K_CHUNK, K), K, K_CHUNK,
-                       stride_xm, stride_xk, stride_wn, stride_wk, stride_xs, stride_ws,
-                       BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K, EVEN_N, USE_TMA, TMA_A, SWAP_AB, DOT_IEEE, DOT_F32, FP8, WARP_SPEC,
-                       FOLD)
-    if MULTI_CHUNK:
-        for k_lo in range(K_CHUNK, K, K_CHUNK):
-            total += _chunk_sum(x_ptr, x_desc, w_ptr, w_desc, xs_ptr, ws_ptr, offs_m, row_ok, offs_n, n_ok, pid_m, pid_n, k_lo,
-                                tl.minimum(k_lo + K_CHUNK, K), K, K_CHUNK, stride_xm, stride_xk, stride_wn, stride_wk,
-                                stride_xs, stride_ws, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K, EVEN_N, USE_TMA,
-                                TMA_A, SWAP_AB, DOT_IEEE, DOT_F32, FP8, WARP_SPEC, False)
-    _store_rows(total, bias_ptr, y_ptr, offs_m, row_ok, offs_n, n_ok, stride_ym, HAS_BIAS, DOT_F32)
-
-
 @triton.jit(do_not_specialize=["M", "stride_part"])  # per-call row counts: one compile for every count
 def _linear_kernel(
     x_ptr, x_desc, w_ptr, w_desc, xs_ptr, ws_ptr, bias_ptr, y_ptr, part_ptr, M, N, K, K_CHUNK,
@@ -141,40 +96,38 @@ def _linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     STAGES: tl.constexpr, SPLIT: tl.constexpr, MULTI_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, TMA_A: tl.constexpr, SWAP_AB: tl.constexpr,
-    DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr, WARP_SPEC: tl.constexpr, FOLD: tl.constexpr,
-    PERSISTENT: tl.constexpr, PDL: tl.constexpr,
+    DOT_IEEE: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr, WARP_SPEC: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (tile[, chunk]): with ``SPLIT`` the fp32 sum of chunk ``program_id(1)`` into
-    ``part[chunk]`` ([chunks, M, N]); else output tile ``program_id(0)`` (``_output_tile``), or with
-    ``PERSISTENT`` every ``num_programs``-th tile from it (one program per SM; the loop is not
-    flattened into the K loop, which made ptxas spill). ``MULTI_CHUNK``: K holds more than one chunk (else one
-    accumulator). ``FP8``: ``x`` and ``w`` e4m3 with the scales ``xs`` / ``ws`` (``_chunk_sum``).
-    ``FOLD``: the chunk sums added inside one K loop (``_chunk_sum``); ``MULTI_CHUNK`` is then off."""
+    ``part[chunk]`` ([chunks, M, N]); else the tile's chunk sums added in chunk order, the bias, one
+    rounding into ``y``. ``MULTI_CHUNK``: K holds more than one chunk (else one accumulator).
+    ``FP8``: ``x`` and ``w`` e4m3 with the scales ``xs`` / ``ws`` (``_chunk_sum``)."""
     grid_dependency(PDL)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = program_tile(tl.program_id(0), num_m, num_n, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
     if SPLIT:
-        pid_m, pid_n = program_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < M
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
         k_lo = tl.program_id(1) * K_CHUNK
         acc = _chunk_sum(x_ptr, x_desc, w_ptr, w_desc, xs_ptr, ws_ptr, offs_m, row_ok, offs_n, n_ok, pid_m, pid_n, k_lo, tl.minimum(k_lo + K_CHUNK, K), K,
-                         K_CHUNK, stride_xm, stride_xk, stride_wn, stride_wk, stride_xs, stride_ws,
-                         BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K, EVEN_N, USE_TMA, TMA_A, SWAP_AB, DOT_IEEE, DOT_F32, FP8, WARP_SPEC,
-                         False)
+                         stride_xm, stride_xk, stride_wn, stride_wk, stride_xs, stride_ws,
+                         BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K, EVEN_N, USE_TMA, TMA_A, SWAP_AB, DOT_IEEE, DOT_F32, FP8, WARP_SPEC)
         p_ptrs = part_ptr + tl.program_id(1).to(tl.int64) * stride_part + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
         tl.store(p_ptrs, acc, mask=row_ok[:, None] & n_ok[None, :])
-    elif PERSISTENT:
-        for tile in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
-            _output_tile(tile, x_ptr, x_desc, w_ptr, w_desc, xs_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, K_CHUNK,
-                         stride_xm, stride_xk, stride_wn, stride_wk, stride_xs, stride_ws, stride_ym,
-                         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, MULTI_CHUNK, HAS_BIAS, EVEN_K, EVEN_N, USE_TMA, TMA_A,
-                         SWAP_AB, DOT_IEEE, DOT_F32, FP8, WARP_SPEC, FOLD)
     else:
-        _output_tile(tl.program_id(0), x_ptr, x_desc, w_ptr, w_desc, xs_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, K_CHUNK,
-                     stride_xm, stride_xk, stride_wn, stride_wk, stride_xs, stride_ws, stride_ym,
-                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, MULTI_CHUNK, HAS_BIAS, EVEN_K, EVEN_N, USE_TMA, TMA_A,
-                     SWAP_AB, DOT_IEEE, DOT_F32, FP8, WARP_SPEC, FOLD)
+        total = _chunk_sum(x_ptr, x_desc, w_ptr, w_desc, xs_ptr, ws_ptr, offs_m, row_ok, offs_n, n_ok, pid_m, pid_n, 0, tl.minimum(K_CHUNK, K), K,
+                           stride_xm, stride_xk, stride_wn, stride_wk, stride_xs, stride_ws,
+                           BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K, EVEN_N, USE_TMA, TMA_A, SWAP_AB, DOT_IEEE, DOT_F32, FP8, WARP_SPEC)
+        if MULTI_CHUNK:
+            for k_lo in range(K_CHUNK, K, K_CHUNK):
+                total += _chunk_sum(x_ptr, x_desc, w_ptr, w_desc, xs_ptr, ws_ptr, offs_m, row_ok, offs_n, n_ok, pid_m, pid_n, k_lo,
+                                    tl.minimum(k_lo + K_CHUNK, K), K, stride_xm, stride_xk, stride_wn, stride_wk,
+                                    stride_xs, stride_ws, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K, EVEN_N, USE_TMA,
+                                    TMA_A, SWAP_AB, DOT_IEEE, DOT_F32, FP8, WARP_SPEC)
+        _store_rows(total, bias_ptr, y_ptr, offs_m, row_ok, offs_n, n_ok, stride_ym, HAS_BIAS, DOT_F32)
 
 
 @triton.jit(do_not_specialize=["M", "stride_part"])
@@ -290,15 +243,6 @@ def _linear(x, weight, weight_scale, bias, config, split, pdl) -> torch.Tensor:
     # TMA for the activations: ``a`` is this call's quantized copy or the contiguous, aligned ``rows``, so
     # whether TMA can read it is the layer's choice (K), never the call's: no variant appears while serving.
     tma_a = bool(g.get("TMA_A")) and not interpret and tma_ok(a)
-    if g.get("TWO_CONSUMERS"):  # (a sweep variant, not yet a default: linear_fp8_consumers.py)
-        tma_w = g["USE_TMA"] and tma_ok(weight)
-        if not (fp8 and not split and tma_a and tma_w):
-            raise ValueError("two-consumer tiles are for block-FP8 calls in one pass with activations and weights "
-                             f"TMA can read (fp8 {fp8}, split {split}, TMA activations {tma_a}, weights {tma_w})")
-        from .linear_fp8_consumers import linear_fp8_two_consumers
-
-        linear_fp8_two_consumers(a, xs, weight, ws, bias, y, chunk, g)  # (its own Gluon descriptors)
-        return y.view(out_shape)
     x_desc = descriptor(a, [bm, bk]) if tma_a else a
     w_desc = weight
     if g["USE_TMA"]:
@@ -311,15 +255,11 @@ def _linear(x, weight, weight_scale, bias, config, split, pdl) -> torch.Tensor:
     b = bias if bias is not None else y
     common = dict(DOT_IEEE=(x.dtype == torch.float32 or interpret) and not fp8, DOT_F32=interpret, FP8=fp8)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    fold = bool(g.get("FOLD_CHUNKS")) and fp8 and not split and chunks > 1  # (sweep variants, not yet defaults)
-    # PERSISTENT (a program count): that many programs take the output tiles in turn.
-    persistent = bool(g.get("PERSISTENT")) and not split and (fold or chunks == 1)
-    grid = (min(tiles, g["PERSISTENT"]),) if persistent else (tiles, chunks if split else 1)
-    _linear_kernel[grid](
+    _linear_kernel[(tiles, chunks if split else 1)](
         a, x_desc, weight, w_desc, xs, ws, b, y, part, m, n, k, chunk,
         a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), xs.stride(0), ws.stride(0), y.stride(0), m * n,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=g["GROUP_M"], STAGES=g["num_stages"], SPLIT=split,
-        MULTI_CHUNK=chunks > 1 and not fold, FOLD=fold, PERSISTENT=persistent, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, EVEN_N=n % bn == 0,
+        MULTI_CHUNK=chunks > 1, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, EVEN_N=n % bn == 0,
         USE_TMA=g["USE_TMA"], TMA_A=tma_a, SWAP_AB=g["SWAP_AB"],
         WARP_SPEC=bool(g.get("WARP_SPEC")) and tma_a and g["USE_TMA"], **common,
         num_warps=g["num_warps"], num_stages=g["num_stages"], **pdl_launch(y, pdl, interpret),

@@ -105,19 +105,6 @@ SWEEP = {
     "128x128 s4 w8 pointer A": (_bf16_tile(128, 128, 4, 8, tma_a=False), None),
     "128x128 s4 w8 WS": (_bf16_tile(128, 128, 4, 8, ws=True), None),
     "fp8 128x128 s4 w8 TMA A WS": (dict(_fp8_tile(128, 128, 4, 8), WARP_SPEC=True), None),
-    # Block-FP8 prefill on two consumer warpgroups and a TMA producer warp (Gluon, linear_fp8_consumers.py):
-    # each warpgroup scales its K block while the other's wgmma runs (the default waits for each block's).
-    "fp8 128x128 s4 TMA A two consumers": (dict(_fp8_tile(128, 128, 4, 8), TWO_CONSUMERS=True), None),
-    "fp8 128x128 s5 TMA A two consumers": (dict(_fp8_tile(128, 128, 5, 8), TWO_CONSUMERS=True), None),
-    "fp8 128x64 s6 TMA A two consumers": (dict(_fp8_tile(128, 64, 6, 8), TWO_CONSUMERS=True), None),
-    # Block-FP8 prefill with the K chunks' sums folded inside one K loop (the default runs a loop per chunk,
-    # each filling and draining its TMA pipeline: Qwen3-30B-A3B's qkv_proj has 2 chunks, o_proj 8).
-    "fp8 128x128 s4 TMA A fold": (dict(_fp8_tile(128, 128, 4, 8), FOLD_CHUNKS=True), None),
-    "fp8 128x128 s5 TMA A fold": (dict(_fp8_tile(128, 128, 5, 8), FOLD_CHUNKS=True), None),
-    # ... and persistent: one program per SM takes the tiles in turn (a 128 x 128 FP8 tile fits one program
-    # per SM; the tile loop flattened into the K loop, which would start the next tile's loads during this
-    # one's store, spilled registers under Triton 3.6 and 3.9).
-    "fp8 128x128 s4 TMA A fold persistent": (dict(_fp8_tile(128, 128, 4, 8), FOLD_CHUNKS=True, PERSISTENT=132), None),
 }
 
 

@@ -34,22 +34,8 @@ for fp8 in (False, True):
                            STAGES=g["num_stages"], SPLIT=split, MULTI_CHUNK=True, HAS_BIAS=True, EVEN_K=True,
                            EVEN_N=True, USE_TMA=True, TMA_A=g.get("TMA_A", False), SWAP_AB=g.get("SWAP_AB", False),
                            DOT_IEEE=False, DOT_F32=False,
-                           FP8=fp8, WARP_SPEC=g.get("WARP_SPEC", False), FOLD=False, PERSISTENT=False, PDL=True),
+                           FP8=fp8, WARP_SPEC=g.get("WARP_SPEC", False), PDL=True),
                       g["num_warps"], g["num_stages"])
-# Block FP8 at prefill tiles with the K chunks folded inside one loop (the FOLD_CHUNKS sweep variant), also
-# in persistent programs.
-g, _, _ = lin.linear_plan(600, 2048, 4096, fp8=True)
-for stages, persistent in ((4, False), (5, False), (4, True)):
-    build(f"linear_fp8e4nv_rows600_fold_s{stages}{'_persistent' if persistent else ''}", lin._linear_kernel,
-          dict(x_ptr="*fp8e4nv", w_ptr="*fp8e4nv", w_desc=f"tensordesc<fp8e4nv[{g['BLOCK_N']}, 128]>",
-               x_desc=f"tensordesc<fp8e4nv[{g['BLOCK_M']}, 128]>", xs_ptr="*fp32", ws_ptr="*fp32", bias_ptr="*bf16",
-               y_ptr="*bf16", part_ptr="*fp32"),
-          dict(M=600, N=2048, K=4096, K_CHUNK=512, stride_xm=4096, stride_xk=1, stride_wn=4096, stride_wk=1,
-               stride_xs=32, stride_ws=32, stride_ym=2048, stride_part=600 * 2048),
-          dict(BLOCK_M=g["BLOCK_M"], BLOCK_N=g["BLOCK_N"], BLOCK_K=128, GROUP_M=g["GROUP_M"], STAGES=stages, SPLIT=False,
-               MULTI_CHUNK=False, HAS_BIAS=True, EVEN_K=True, EVEN_N=True, USE_TMA=True, TMA_A=True, SWAP_AB=False,
-               DOT_IEEE=False, DOT_F32=False, FP8=True, WARP_SPEC=False, FOLD=True, PERSISTENT=persistent, PDL=True),
-          g["num_warps"], stages)
 build("quantize_rows", lin._quantize_kernel, dict(x_ptr="*bf16", xq_ptr="*fp8e4nv", xs_ptr="*fp32"),
       dict(M=7, K=4096, stride_xm=4096, stride_xk=1), dict(QROWS=lin._QUANTIZE_ROWS, RNE_FIX=False, PDL=True), 4, 1)
 # One row, one column, one chunk: every integer the constant 1.
@@ -61,8 +47,7 @@ build("linear_all_ones", lin._linear_kernel,
            stride_ym=1, stride_part=1),
       dict(BLOCK_M=g["BLOCK_M"], BLOCK_N=g["BLOCK_N"], BLOCK_K=g["BLOCK_K"], GROUP_M=1, STAGES=g["num_stages"],
            SPLIT=False, MULTI_CHUNK=False, HAS_BIAS=False, EVEN_K=False, EVEN_N=False, USE_TMA=False, TMA_A=False,
-           SWAP_AB=True, DOT_IEEE=False, DOT_F32=False, FP8=False, WARP_SPEC=False, FOLD=False, PERSISTENT=False, PDL=True), g["num_warps"],
-      g["num_stages"])
+           SWAP_AB=True, DOT_IEEE=False, DOT_F32=False, FP8=False, WARP_SPEC=False, PDL=True), g["num_warps"], g["num_stages"])
 for m, n, chunks in ((1, 1, 1), (7, 4096, 8)):
     build(f"reduce_{m}x{n}", lin._linear_reduce_kernel,
           dict(part_ptr="*fp32", bias_ptr="*bf16", y_ptr="*bf16"),
@@ -74,7 +59,7 @@ for m, n, chunks in ((1, 1, 1), (7, 4096, 8)):
 @pytest.mark.timeout(900)
 def test_linear_kernels_compile_for_sm90_with_bf16_wgmma_and_no_spills(tmp_path):
     results = compile_for_sm90(BODY, tmp_path)
-    assert len(results) == 2 * 2 * len(POINTS) + 3 + 1 + 1 + 2
+    assert len(results) == 2 * 2 * len(POINTS) + 1 + 1 + 2
     for name, r in results.items():
         print(name, r["shared"], r["ptxas"].strip().splitlines()[-2:])
         assert no_spills(r["ptxas"]), (name, r["ptxas"])

@@ -81,47 +81,6 @@ def test_every_tile_split_and_tma_gives_the_same_bits():
         assert torch.equal(out, first)
 
 
-@pytest.mark.parametrize("tile", [(128, 128, 4), (128, 128, 5), (128, 64, 6)])
-def test_two_consumer_tiles_give_the_default_kernels_bits(tile):
-    """kernels/cuda/linear_fp8_consumers.py (Gluon, a sweep variant): the same bits as the default
-    kernel at prefill sizes, one chunk or several, ragged rows, columns and K, with and without bias;
-    a row alone (the decode tiles) too."""
-    bm, bn, stages = tile
-    g = torch.Generator(device=DEV).manual_seed(fresh_seed())
-    for n, k in [(5120, 2048), (2048, 4096), (576, 7168), (1000, 1104), (7168, 2048)]:
-        wq, ws, b = _weights(n, k, g)
-        for m in (65, 600, 2048):
-            x = torch.randn(m, k, device=DEV, generator=g).to(torch.bfloat16)
-            cfg = dict(linear_plan(m, n, k, fp8=True)[0], BLOCK_M=bm, BLOCK_N=bn, num_stages=stages, num_warps=8,
-                       TMA_A=True, SWAP_AB=False, TWO_CONSUMERS=True)
-            for bias in (b, None):
-                want = invariant_linear_fp8_triton(x, wq, ws, bias, split=False)
-                got = invariant_linear_fp8_triton(x, wq, ws, bias, config=cfg, split=False)
-                assert not torch.isnan(got).any()
-                assert torch.equal(got, want), (n, k, m, tile, bias is None)
-            alone = invariant_linear_fp8_triton(x[m // 2 : m // 2 + 1], wq, ws, b)
-            assert torch.equal(invariant_linear_fp8_triton(x, wq, ws, b, config=cfg, split=False)[m // 2 : m // 2 + 1], alone)
-
-
-@pytest.mark.parametrize("stages,persistent", [(4, 0), (5, 0), (4, 132), (4, 7)])
-def test_chunks_folded_in_one_k_loop_give_the_default_kernels_bits(stages, persistent):
-    """``FOLD_CHUNKS`` (a sweep variant): the chunk sums added inside one K loop, at prefill tiles, give
-    the default kernel's bits: several chunks (Qwen3-30B-A3B's qkv_proj 2 of 1024, o_proj 8 of 512,
-    DeepSeek-V3's qkv_a_proj 8 of 896), ragged rows, columns and K, with and without bias; also with
-    ``persistent`` programs taking the tiles in turn (132: one per SM; 7: many tiles each)."""
-    g = torch.Generator(device=DEV).manual_seed(fresh_seed())
-    for n, k in [(5120, 2048), (2048, 4096), (2112, 7168), (1000, 1104)]:
-        wq, ws, b = _weights(n, k, g)
-        for m in (65, 600, 2048):
-            x = torch.randn(m, k, device=DEV, generator=g).to(torch.bfloat16)
-            cfg = dict(linear_plan(m, n, k, fp8=True)[0], num_stages=stages, FOLD_CHUNKS=True, PERSISTENT=persistent)
-            for bias in (b, None):
-                want = invariant_linear_fp8_triton(x, wq, ws, bias, split=False)
-                got = invariant_linear_fp8_triton(x, wq, ws, bias, config=cfg, split=False)
-                assert not torch.isnan(got).any()
-                assert torch.equal(got, want), (n, k, m, stages, persistent, bias is None)
-
-
 def test_cuda_graph_replay_and_nan_rows():
     g = torch.Generator(device=DEV).manual_seed(fresh_seed())
     wq, ws, b = _weights(2048, 4096, g)
