@@ -110,8 +110,10 @@ def fp8_gemm2_tile(
     src = (start_e + offs_m).to(tl.int64)
     a_ptrs = actq_ptr + src[:, None] * I + offs_k[None, :]
     as_ptrs = acts_ptr + src * tl.cdiv(I, _GROUP)
-    # (masked by n_ok: TMA tiles of the last expert reach past its scale rows)
-    ws_ptrs = ws_ptr + e64 * stride_se + (offs_n // SCALE_BN) * stride_sn
+    if BLOCK_N <= SCALE_BN:  # the tile's columns lie in one weight block: one scale a K block
+        ws_ptrs = ws_ptr + e64 * stride_se + (pid_n * BLOCK_N // SCALE_BN) * stride_sn
+    else:  # (masked by n_ok: TMA tiles of the last expert reach past its scale rows)
+        ws_ptrs = ws_ptr + e64 * stride_se + (offs_n // SCALE_BN) * stride_sn
     if USE_TMA:
         row_w = e * H + pid_n * BLOCK_N  # row of w2 viewed as [E*H, I]
     else:
@@ -127,8 +129,11 @@ def fp8_gemm2_tile(
             b = load_cols(w_ptrs, n_ok, k_ok, EVEN_K, EVEN_N)
             w_ptrs += _GROUP * stride_wk
         sa = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
-        sb = tl.load(ws_ptrs + kb * stride_sk, mask=n_ok, other=0.0)
-        acc = scaled_block_dot(a, b, sa, sb, acc, SWAP_AB)
+        if BLOCK_N <= SCALE_BN:
+            acc = scaled_block_dot_one_weight_block(a, b, sa, tl.load(ws_ptrs + kb * stride_sk), acc, SWAP_AB)
+        else:
+            sb = tl.load(ws_ptrs + kb * stride_sk, mask=n_ok, other=0.0)
+            acc = scaled_block_dot(a, b, sa, sb, acc, SWAP_AB)
         a_ptrs += _GROUP
     if SWAP_AB:
         acc = tl.trans(acc)

@@ -160,14 +160,24 @@ def _fp8_gemm1_tile(
     a_ptrs = xq_ptr + tok[:, None] * H + offs_k[None, :]
     as_ptrs = xs_ptr + tok * tl.cdiv(H, _GROUP)
     w_ptrs = w_ptr + e64 * stride_we + w_row[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    ws_ptrs = ws_ptr + e64 * stride_se + (w_row // SCALE_BN) * stride_sn
+    if EVEN_N and BLOCK_N <= SCALE_BN:
+        # I % 128 == 0, so the tile's gate rows and its up rows each lie in one weight block: two scales a K
+        # block, spread over the interleaved columns in registers (not a scale load per column).
+        wsg_ptr = ws_ptr + e64 * stride_se + (pid_n * BLOCK_N // SCALE_BN) * stride_sn
+        wsu_ptr = ws_ptr + e64 * stride_se + ((I + pid_n * BLOCK_N) // SCALE_BN) * stride_sn
+        gate_col = offs_j % 2 == 0
+    else:
+        ws_ptrs = ws_ptr + e64 * stride_se + (w_row // SCALE_BN) * stride_sn
     acc = acc_zeros(BLOCK_M, 2 * BLOCK_N, SWAP_AB)
     for kb in tl.range(0, tl.cdiv(H, _GROUP), num_stages=STAGES):
         k_ok = offs_k < H - kb * _GROUP
         a = load_rows(a_ptrs, row_ok, k_ok, EVEN_K)
         b = load_cols(w_ptrs, nj_ok, k_ok, EVEN_K, EVEN_N)
         sa = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
-        sb = tl.load(ws_ptrs + kb * stride_sk, mask=nj_ok, other=0.0)
+        if EVEN_N and BLOCK_N <= SCALE_BN:
+            sb = tl.where(gate_col, tl.load(wsg_ptr + kb * stride_sk), tl.load(wsu_ptr + kb * stride_sk))
+        else:
+            sb = tl.load(ws_ptrs + kb * stride_sk, mask=nj_ok, other=0.0)
         acc = scaled_block_dot(a, b, sa, sb, acc, SWAP_AB)
         a_ptrs += _GROUP
         w_ptrs += _GROUP * stride_wk
